@@ -1,0 +1,48 @@
+# Two commands: `make demo` and `make test`. Each sets up .venv on first use.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)
+
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export DO_NOT_TRACK := 1
+
+.PHONY: demo test lint format install clean bench
+
+$(PY):
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# The constraints file pins torch==2.13.0 (CPU build) and every other package:
+# an unpinned torch would pull a multi-GB CUDA build. GPU users install their own torch.
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/sdcguard demo --report artifacts/demo-report.json
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: install lint
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/fingerprint.py
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/webhook.py
+
+clean:
+	rm -rf $(VENV) .sdcguard artifacts .mypy_cache .ruff_cache .pytest_cache
