@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Fingerprint", "weight_fingerprint"]
+__all__ = ["Fingerprint", "fingerprint_from_tensor", "fingerprint_on_device", "weight_fingerprint"]
 
 _MASK = (1 << 64) - 1
 _WORD_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -54,4 +54,26 @@ def weight_fingerprint(tensors: Iterable[torch.Tensor]) -> Fingerprint:
         a += int(w.sum())
         b += int((w * idx).sum())
         offset += n
+    return Fingerprint(a & _MASK, b & _MASK)
+
+
+def fingerprint_on_device(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The same two aggregates as a 2-element int64 tensor on the tensors' device, with no host
+    synchronisation, ready to all-gather. ``Fingerprint.from_tensor`` turns it into a value."""
+    acc: torch.Tensor | None = None
+    offset = 0
+    for t in tensors:
+        w = _words(t)
+        n = w.numel()
+        idx = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64, device=w.device)
+        part = torch.stack([w.sum(), (w * idx).sum()])
+        acc = part if acc is None else acc + part
+        offset += n
+    if acc is None:
+        return torch.zeros(2, dtype=torch.int64)
+    return acc
+
+
+def fingerprint_from_tensor(value: torch.Tensor) -> Fingerprint:
+    a, b = (int(v) for v in value.tolist())
     return Fingerprint(a & _MASK, b & _MASK)
