@@ -1,1 +1,90 @@
-"""sdcguard: db."""
+"""sdcguard ledger: SQLAlchemy 2.0 models, Alembic migrations and the queries the rest uses.
+
+Imports nothing else of sdcguard; see ``docs/ARCHITECTURE.md`` for the contract.
+"""
+
+from db.engine import DATABASE_URL_ENV, create_engine_for, default_database_url
+from db.enums import (
+    ActionStatus,
+    AuditKind,
+    CheckpointEvidence,
+    CheckpointStatus,
+    IncidentState,
+    Verdict,
+    can_transition,
+)
+from db.errors import (
+    ActionStateError,
+    CheckpointNotFound,
+    IllegalTransition,
+    IncidentConflict,
+    InvalidRange,
+    InvalidValue,
+    LedgerContention,
+    LedgerError,
+    LedgerTemporaryError,
+    LedgerUnavailable,
+    SchemaNotReady,
+    UnknownAction,
+    UnknownIncident,
+    UnknownJob,
+)
+from db.ledger import Ledger
+from db.migrate import current_revision, downgrade, head_revision, schema_diff, upgrade
+from db.views import (
+    ActionClaim,
+    ActionEventView,
+    ActionView,
+    AlarmIn,
+    AlarmOutcome,
+    AlarmView,
+    CheckpointView,
+    IncidentEventView,
+    IncidentView,
+    RankIn,
+    RankView,
+)
+
+__all__ = [
+    "DATABASE_URL_ENV",
+    "ActionClaim",
+    "ActionEventView",
+    "ActionStateError",
+    "ActionStatus",
+    "ActionView",
+    "AlarmIn",
+    "AlarmOutcome",
+    "AlarmView",
+    "AuditKind",
+    "CheckpointEvidence",
+    "CheckpointNotFound",
+    "CheckpointStatus",
+    "CheckpointView",
+    "IllegalTransition",
+    "IncidentConflict",
+    "IncidentEventView",
+    "IncidentState",
+    "IncidentView",
+    "InvalidRange",
+    "InvalidValue",
+    "Ledger",
+    "LedgerContention",
+    "LedgerError",
+    "LedgerTemporaryError",
+    "LedgerUnavailable",
+    "RankIn",
+    "RankView",
+    "SchemaNotReady",
+    "UnknownAction",
+    "UnknownIncident",
+    "UnknownJob",
+    "Verdict",
+    "can_transition",
+    "create_engine_for",
+    "current_revision",
+    "default_database_url",
+    "downgrade",
+    "head_revision",
+    "schema_diff",
+    "upgrade",
+]

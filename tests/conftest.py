@@ -14,4 +14,4 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
 
-pytest_plugins: list[str] = []
+pytest_plugins: list[str] = ["tests.fixtures_db"]

@@ -1,0 +1,1 @@
+"""Ledger tests run on SQLite and PostgreSQL through ``tests/fixtures_db.py``."""
