@@ -1,0 +1,394 @@
+"""Alarm-storm benchmark of the webhook: ``python benchmarks/webhook.py``.
+
+Scenario (the one that matters in production): every rank of a 4,096-rank job sees the same
+corrupted step and reports it at once. 64 concurrent clients POST the 4,096 signed alarms to
+``sdcguard serve`` (its own process, ``--trigger none``) backed by a throwaway PostgreSQL
+database. Measured: time until every alarm is recorded (every 202 is a committed transaction),
+alarms/s, request latency, and a check that the ledger holds 4,096 alarms in one incident.
+
+For contrast, the same load is run spread over 64 jobs (one per client), where alarms do not
+contend for one incident; smaller bursts show how the cost grows with the incident's size; and
+a "webhook alone" row runs the same app and client with a ledger stand-in that records nothing,
+which is the ceiling of the HTTP, signature and schema layers on this machine.
+
+The client is a minimal keep-alive HTTP/1.1 client on asyncio (one connection per client): on a
+two-core machine the client shares the CPU with the server and PostgreSQL, and a heavier client
+would be measured as server time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
+
+import httpx
+import sqlalchemy as sa
+import uvicorn
+from sqlalchemy.engine import make_url
+
+from db import AlarmOutcome, Ledger, upgrade
+from detection.signing import signed_headers
+from flows.trigger import NoTrigger
+from flows.webhook import create_app
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_URL = os.environ.get(
+    "SDCGUARD_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+TARGET_S = 5.0
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    alarms: int
+    clients: int
+    wall_s: float
+    latencies_s: list[float]
+    incidents: int | None
+    recorded: int | None
+
+    @property
+    def rate(self) -> float:
+        return self.alarms / self.wall_s
+
+    def row(self) -> str:
+        lat = sorted(self.latencies_s)
+        p50 = statistics.median(lat) * 1000
+        p99 = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000
+        return (
+            f"{self.name:<34} {self.alarms:>6} {self.clients:>7} {self.wall_s:>9.2f} "
+            f"{self.rate:>9.0f} {p50:>8.1f} {p99:>8.1f} "
+            f"{_shown(self.recorded):>8} {_shown(self.incidents):>9}"
+        )
+
+
+def _shown(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+HEADER = (
+    f"{'scenario':<34} {'alarms':>6} {'clients':>7} {'wall s':>9} {'alarms/s':>9} "
+    f"{'p50 ms':>8} {'p99 ms':>8} {'recorded':>8} {'incidents':>9}"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _Database:
+    """A throwaway PostgreSQL database, migrated; dropped on exit."""
+
+    def __init__(self) -> None:
+        self.admin = make_url(ADMIN_URL)
+        self.name = f"sdcguard_bench_{secrets.token_hex(4)}"
+        self.url = self.admin.set(database=self.name).render_as_string(hide_password=False)
+
+    def _exec(self, sql: str) -> None:
+        engine = sa.create_engine(self.admin, isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql(sql)
+        finally:
+            engine.dispose()
+
+    def __enter__(self) -> _Database:
+        self._exec(f'CREATE DATABASE "{self.name}"')
+        upgrade(self.url)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._exec(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+
+    def counts(self) -> tuple[int, int]:
+        engine = sa.create_engine(self.url)
+        try:
+            with engine.connect() as conn:
+                alarms = conn.exec_driver_sql("SELECT count(*) FROM alarms").scalar_one()
+                incidents = conn.exec_driver_sql("SELECT count(*) FROM incidents").scalar_one()
+        finally:
+            engine.dispose()
+        return int(alarms), int(incidents)
+
+    def truncate(self) -> None:
+        engine = sa.create_engine(self.url)
+        try:
+            with engine.begin() as conn:
+                tables = "jobs, ranks, incidents, incident_events, alarms, checkpoints, audits, "
+                conn.exec_driver_sql(f"TRUNCATE {tables} actions, action_events RESTART IDENTITY")
+        finally:
+            engine.dispose()
+
+
+class _Server:
+    """``sdcguard serve`` in its own process: what ships, not an in-process shortcut."""
+
+    def __init__(self, database_url: str, secret: str, *, without_ledger: bool = False) -> None:
+        self.without_ledger = without_ledger
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "SDCGUARD_WEBHOOK_SECRET": secret,
+            "SDCGUARD_DATABASE_URL": database_url,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        # A file, not a pipe: an unread pipe fills up and blocks the server mid-benchmark.
+        self.log = Path(tempfile.mkdtemp(prefix="sdcguard-bench-")) / "serve.log"
+
+    def __enter__(self) -> _Server:
+        if self.without_ledger:
+            command = [sys.executable, __file__, "--serve-without-ledger", str(self.port)]
+        else:
+            command = [sys.executable, "-m", "flows.cli", "serve", "--host", "127.0.0.1"]
+            command += ["--port", str(self.port), "--trigger", "none"]
+        with self.log.open("wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                command, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sdcguard serve exited:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise RuntimeError(f"sdcguard serve did not come up within 60 s:\n{self.log_tail()}")
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.log.parent, ignore_errors=True)
+
+
+async def _client(
+    port: int, secret: str, bodies: list[bytes], latencies: list[float], statuses: list[int]
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for body in bodies:
+            headers = signed_headers(secret, body)
+            request = (
+                b"POST /v1/alarms HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                + "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode()
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            started = time.perf_counter()
+            writer.write(request)
+            status_line = await reader.readline()
+            length = 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+            latencies.append(time.perf_counter() - started)
+            statuses.append(int(status_line.split()[1]))
+    finally:
+        writer.close()
+
+
+def _alarm(job_id: str, step: int, rank: int) -> bytes:
+    node = f"node-{rank // 8}"
+    return json.dumps(
+        {
+            "alarm_id": str(uuid.uuid4()),
+            "job_id": job_id,
+            "step": step,
+            "rank": rank,
+            "node": node,
+            "layer": "audit",
+            "phase": "gradient",
+            "suspect_ranks": [rank],
+            "suspect_nodes": [node],
+            "detail": {"max_abs_diff": 3.4e38, "partner": (rank + 8) % 4096},
+            "sent_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+        }
+    ).encode()
+
+
+def _register(server: _Server, secret: str, job_id: str, world_size: int) -> None:
+    body = json.dumps(
+        {
+            "ranks": [
+                {"rank": r, "local_rank": r % 8, "node": f"node-{r // 8}"}
+                for r in range(world_size)
+            ]
+        }
+    ).encode()
+    response = httpx.post(
+        f"{server.url}/v1/jobs/{job_id}/ranks",
+        content=body,
+        headers={**signed_headers(secret, body), "Content-Type": "application/json"},
+        timeout=60,
+    )
+    response.raise_for_status()
+
+
+def run_burst(
+    name: str,
+    server: _Server,
+    database: _Database | None,
+    secret: str,
+    alarms: int,
+    clients: int,
+    jobs: int,
+) -> Result:
+    if database is not None:
+        database.truncate()
+    job_ids = [f"bench-job-{j}" for j in range(jobs)]
+    for job_id in job_ids:
+        _register(server, secret, job_id, alarms // jobs)
+    # Client c sends alarms of job c % jobs: with one job, every client hits the same incident.
+    per_client = [
+        [_alarm(job_ids[c % jobs], 1234, rank) for rank in range(c, alarms, clients)]
+        for c in range(clients)
+    ]
+    latencies: list[float] = []
+    statuses: list[int] = []
+
+    async def burst() -> None:
+        await asyncio.gather(
+            *(_client(server.port, secret, bodies, latencies, statuses) for bodies in per_client)
+        )
+
+    started = time.perf_counter()
+    asyncio.run(burst())
+    wall = time.perf_counter() - started
+    bad = [s for s in statuses if s != 202]
+    if bad:
+        raise RuntimeError(f"{len(bad)} alarms refused, statuses {sorted(set(bad))}")
+    if database is None:
+        return Result(name, alarms, clients, wall, latencies, None, None)
+    recorded, incidents = database.counts()
+    return Result(name, alarms, clients, wall, latencies, incidents, recorded)
+
+
+class _NoLedger:
+    """Stands in for the ledger in the "webhook alone" row: accepts everything, stores nothing.
+
+    Only the calls the alarm path makes exist; one incident id for every alarm, opened once.
+    """
+
+    engine = SimpleNamespace(pool=None)
+
+    def __init__(self) -> None:
+        self._opened = False
+        self._lock = threading.Lock()
+
+    def ensure_job(self, job_id: str) -> None:
+        return None
+
+    def register_ranks(self, job_id: str, ranks: object) -> None:
+        return None
+
+    def list_incidents(self, job_id: object = None, state: object = None) -> list[object]:
+        return []
+
+    def record_alarm(self, alarm: object) -> AlarmOutcome:
+        with self._lock:
+            opened, self._opened = not self._opened, True
+        return AlarmOutcome("00000000-0000-0000-0000-000000000000", False, opened)
+
+
+def _serve_without_ledger(port: int) -> None:
+    app = create_app(cast(Ledger, _NoLedger()), NoTrigger(), os.environ["SDCGUARD_WEBHOOK_SECRET"])
+    uvicorn.run(app, host="127.0.0.1", port=port, access_log=False, log_level="warning")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--alarms", type=int, default=4096)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument(
+        "--quick", action="store_true", help="only the headline burst, no contrast rows"
+    )
+    parser.add_argument("--serve-without-ledger", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_without_ledger:
+        _serve_without_ledger(args.serve_without_ledger)
+        return 0
+    secret = secrets.token_hex(32)
+    results: list[Result] = []
+    if not args.quick:
+        with _Server("unused", secret, without_ledger=True) as alone:
+            results.append(
+                run_burst("webhook alone (no ledger)", alone, None, secret, args.alarms, 64, 1)
+            )
+    with _Database() as database, _Server(database.url, secret) as server:
+        if not args.quick:
+            for size in (256, 1024):
+                results.append(
+                    run_burst(f"burst, 1 job, {size} ranks", server, database, secret, size, 64, 1)
+                )
+            results.append(
+                run_burst(
+                    f"spread, {args.clients} jobs",
+                    server,
+                    database,
+                    secret,
+                    args.alarms,
+                    args.clients,
+                    args.clients,
+                )
+            )
+        headline = run_burst(
+            f"burst, 1 job, {args.alarms} ranks",
+            server,
+            database,
+            secret,
+            args.alarms,
+            args.clients,
+            1,
+        )
+        results.append(headline)
+    print(f"\nwebhook alarm storm — PostgreSQL, {os.cpu_count()} CPUs, signed, 64 clients")
+    print(HEADER)
+    print("-" * len(HEADER))
+    for result in results:
+        print(result.row())
+    ok = headline.recorded == args.alarms and headline.incidents == 1
+    verdict = "met" if headline.wall_s <= TARGET_S else "NOT met"
+    print(
+        f"\ntarget: {args.alarms} alarms ingested in <= {TARGET_S:.0f} s — {verdict} "
+        f"({headline.wall_s:.2f} s); ledger consistent: {ok}"
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The incident-response flow: the SDC runbook, top to bottom.
+
+Read :func:`incident_response` as the runbook an operator would follow by hand. Each step is a
+stage in :mod:`flows.stages`; the ledger, not Prefect, records what has been done, so this flow
+can be retried or re-run for the same incident at any time and continues where it stopped —
+it never cordons, replaces or resumes twice (see :mod:`flows.stages` for how).
+
+States (DESIGN): ``open → stopping → cordoned → diagnosing → awaiting_approval → replacing →
+resuming → resolved``, or ``rejected`` / ``expired`` / ``failed``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from db import IncidentState
+from flows.approval import artifact_key
+from flows.policy import IncidentPolicy
+from flows.recovery_settings import FlowSettings
+from flows.report import incident_summary, report_markdown
+from flows.stages import (
+    StageTask,
+    close,
+    collect_telemetry,
+    cordon_suspects,
+    diagnostic_replay,
+    fix_nodes,
+    quarantine_suspect_checkpoints,
+    release_nodes,
+    resume_training,
+    seek_approval,
+    stop_training,
+    triage,
+)
+from flows.wiring import current_backends
+
+__all__ = ["IncidentFailed", "incident_response", "publish_report", "respond"]
+
+log = logging.getLogger(__name__)
+
+
+class IncidentFailed(RuntimeError):
+    """The incident ended ``failed``: an action failed after its retries (reason attached).
+
+    Raised so the Prefect run shows failed too; ``summary`` is what the report JSON needs.
+    """
+
+    def __init__(self, incident_id: str, reason: str, summary: dict[str, Any]) -> None:
+        super().__init__(f"incident {incident_id} failed: {reason}")
+        self.incident_id = incident_id
+        self.reason = reason
+        self.summary = summary
+
+
+@flow(
+    name="incident-response",
+    flow_run_name="incident-{incident_id}",
+    persist_result=False,
+    validate_parameters=True,
+)
+def incident_response(
+    incident_id: str, policy: IncidentPolicy = IncidentPolicy()
+) -> dict[str, Any]:
+    """Walk one silent-data-corruption incident to a safe end.
+
+    1. Triage: the storm guard — alarms on too many nodes at once mean software, and a human.
+    2. Stop training, and with it checkpoint publication; quarantine the suspect range.
+    3. Cordon and taint the suspect nodes.
+    4. Collect telemetry (DCGM, dcgmi diag, Xid, nvidia-smi) as evidence.
+    5. Replay the suspect steps on the suspects and on spares: hardware, software or
+       inconclusive.
+    6. Approval: a human in the Prefect UI form (or the policy, on the strongest evidence).
+       Reject → ``rejected`` (uncordon if asked); no answer in time → ``expired`` (stays
+       cordoned, nothing replaced).
+    7. Replace the faulty node through HyperPod (or reboot it).
+    8. Quarantine the checkpoints of the suspect range once more (late arrivals included).
+    9. Resume from the newest verified checkpoint before the range, sha256 checked in storage.
+    10. Resolved. The incident report is published as an artifact and returned as a dict.
+    """
+    ledger = current_backends().ledger
+    if ledger.get_incident(incident_id).state.terminal:
+        log.info("incident already closed; reporting only", extra={"incident": incident_id})
+        return publish_report(incident_id)
+
+    def run(stage: StageTask) -> dict[str, Any]:
+        retrying = stage.with_options(
+            retries=policy.task_retries, retry_delay_seconds=policy.retry_delays() or 0
+        )
+        return retrying(incident_id, policy)
+
+    try:
+        run(triage)
+        run(stop_training)
+        run(cordon_suspects)
+        run(collect_telemetry)
+        run(diagnostic_replay)
+        decision = seek_approval(
+            incident_id, policy, poll_interval_s=FlowSettings().approval_poll_s
+        )
+        if decision.approved:
+            run(fix_nodes)
+            run(quarantine_suspect_checkpoints)
+            run(resume_training)
+            close(
+                incident_id, IncidentState.RESOLVED, "training resumed from a verified checkpoint"
+            )
+        elif decision.rejected:
+            if decision.uncordon_on_reject:
+                run(release_nodes)
+            close(
+                incident_id,
+                IncidentState.REJECTED,
+                "rejected by the approver; "
+                + (
+                    "our cordons were lifted"
+                    if decision.uncordon_on_reject
+                    else "nodes stay cordoned"
+                )
+                + ", nothing replaced, training stays stopped",
+            )
+        else:
+            close(
+                incident_id,
+                IncidentState.EXPIRED,
+                f"no decision within {policy.approval_timeout_s} s: nodes stay cordoned, "
+                "nothing replaced, training stays stopped",
+            )
+    except Exception as err:
+        reason = f"{type(err).__name__}: {err}"
+        log.error("incident failed: %s", reason, extra={"incident": incident_id})
+        if not ledger.get_incident(incident_id).state.terminal:
+            ledger.transition(incident_id, IncidentState.FAILED, reason=reason)
+        raise IncidentFailed(incident_id, reason, publish_report(incident_id)) from err
+    return publish_report(incident_id)
+
+
+def publish_report(incident_id: str) -> dict[str, Any]:
+    """Publish the incident report artifact and return the summary for the report JSON."""
+    incident = current_backends().ledger.get_incident(incident_id)
+    create_markdown_artifact(
+        markdown=report_markdown(incident),
+        key=artifact_key(incident_id, "report"),
+        description=f"Incident {incident_id}: {incident.state.value}",
+    )
+    return incident_summary(incident)
+
+
+def respond(incident_id: str, policy: IncidentPolicy | None = None) -> dict[str, Any]:
+    """Run the flow in this process and return the ledger's summary, whatever the outcome.
+
+    For callers that need the summary even when the Prefect run ends failed — an ``expired``
+    incident (Prefect fails a pause that times out) or a ``failed`` one: the demo and the
+    webhook's local trigger.
+    """
+    state = incident_response(incident_id, policy or IncidentPolicy(), return_state=True)
+    log.info("incident flow ended %s", state.type.value, extra={"incident": incident_id})
+    return incident_summary(current_backends().ledger.get_incident(incident_id))

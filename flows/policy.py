@@ -1,0 +1,268 @@
+"""What the incident flow may do on its own, and the storm guard that limits it.
+
+The policy is a typed flow parameter (``incident_response(incident_id, policy)``): an operator
+sees it in the Prefect UI next to every run and can change it per run or per deployment without
+touching code. The two guards here are pure functions of ledger facts so that they can be
+tested exhaustively and so that a re-run of the flow reaches the same decision from the same
+facts.
+
+Invariants:
+- The storm guard trips when the alarms implicate *more than* ``storm_node_share`` of a job's
+  nodes, or *more than* ``storm_max_nodes_per_hour`` distinct nodes within the window. A storm
+  is more likely a software fault (a bad rollout, a numerics bug) than many GPUs failing at once,
+  so it forbids any automatic replacement and hands the incident to a human.
+- Auto-approval approves only a ``hardware`` verdict that names one node, backed by alarm
+  evidence that itself names exactly that node (a strict-majority fingerprint vote or a ring
+  audit), and never while the storm guard trips. Two replicas that disagree can say "they
+  differ", never "which one", so weaker evidence always waits for a human.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "AlarmEvidence",
+    "AutoApproval",
+    "IncidentPolicy",
+    "NodeAction",
+    "StormCheck",
+    "auto_approval",
+    "storm_guard",
+]
+
+# Alarm layers whose evidence can name a single node (DESIGN, "What each detection layer can see").
+_MAJORITY_LAYER = "fingerprint"
+_AUDIT_LAYER = "audit"
+_HARDWARE = "hardware"
+
+
+class NodeAction(StrEnum):
+    """What an approved incident does to the faulty node's instance."""
+
+    REPLACE = "replace"
+    """HyperPod replaces the instance; the new instance joins under a new node name."""
+    REBOOT = "reboot"
+    """HyperPod reboots the instance in place; the node keeps its name and is uncordoned."""
+
+
+class IncidentPolicy(BaseModel):
+    """Operator policy for one incident run; every field is bounded so a typo cannot disarm it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    action: NodeAction = Field(
+        NodeAction.REPLACE,
+        description="What to do with a node found faulty once the incident is approved.",
+    )
+    auto_approve: bool = Field(
+        False,
+        description=(
+            "Approve without a human, only for a hardware verdict backed by a strict majority "
+            "or a ring audit naming exactly one node, and never during an alarm storm."
+        ),
+    )
+    approval_timeout_s: int = Field(
+        3600,
+        ge=1,
+        le=7 * 24 * 3600,
+        description="How long to wait for a human decision before the incident expires.",
+    )
+    uncordon_on_reject: bool = Field(
+        False,
+        description="The approval form's default for uncordoning the suspect nodes on reject.",
+    )
+    storm_node_share: float = Field(
+        0.25,
+        gt=0.0,
+        le=1.0,
+        description="Alarms implicating more than this share of a job's nodes form a storm.",
+    )
+    storm_max_nodes_per_hour: int = Field(
+        4,
+        ge=1,
+        le=10_000,
+        description="More distinct nodes than this implicated within the window form a storm.",
+    )
+    storm_window_s: int = Field(
+        3600,
+        ge=60,
+        le=7 * 24 * 3600,
+        description="The window over which implicated nodes are counted (one hour by default).",
+    )
+    cordon_in_storm: bool = Field(
+        False,
+        description=(
+            "Cordon the implicated nodes even during a storm. Off by default: a storm is likely "
+            "software, and cordoning a quarter of a fleet for it would drain the cluster."
+        ),
+    )
+    task_retries: int = Field(
+        3, ge=0, le=20, description="Retries of a stage after a temporary error."
+    )
+    retry_delay_s: float = Field(
+        2.0,
+        ge=0.0,
+        le=600.0,
+        description="Base delay of the exponential backoff between retries of a stage.",
+    )
+    spare_nodes: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="Spare nodes the diagnostic replay runs on (two spares prove determinism).",
+    )
+    replacement_timeout_s: int = Field(
+        1800,
+        ge=1,
+        le=24 * 3600,
+        description="How long to wait for HyperPod to bring up a replacement instance.",
+    )
+
+    def retry_delays(self) -> list[float]:
+        """Exponential backoff (1x, 2x, 4x, ... the base) for the stage retries."""
+        return [self.retry_delay_s * (2**i) for i in range(self.task_retries)]
+
+
+@dataclass(frozen=True)
+class AlarmEvidence:
+    """The part of a recorded alarm that the guards reason about."""
+
+    layer: str
+    suspect_nodes: tuple[str, ...]
+    at: datetime
+    detail: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class StormCheck:
+    """Outcome of the storm guard, with a reason an operator can act on."""
+
+    tripped: bool
+    reason: str
+    implicated: tuple[str, ...]
+    job_nodes: int
+    share: float | None
+    recent_nodes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tripped": self.tripped,
+            "reason": self.reason,
+            "implicated": list(self.implicated),
+            "job_nodes": self.job_nodes,
+            "share": self.share,
+            "recent_nodes": list(self.recent_nodes),
+        }
+
+
+@dataclass(frozen=True)
+class AutoApproval:
+    """Whether the policy may approve on its own, and why (or why not)."""
+
+    approved: bool
+    reason: str
+
+
+def storm_guard(
+    *,
+    implicated: Collection[str],
+    job_nodes: Collection[str],
+    recent: Iterable[tuple[str, datetime]],
+    now: datetime,
+    policy: IncidentPolicy,
+) -> StormCheck:
+    """Decide whether the alarms look like a storm rather than one bad node.
+
+    ``implicated`` are the nodes this incident's alarms name; ``job_nodes`` the nodes the job
+    runs on (empty when the job registered no ranks: only the hourly count applies then);
+    ``recent`` every (node, alarm time) pair the ledger holds, across all jobs, so a bad software
+    rollout that trips alarms in many jobs at once is caught too.
+    """
+    names = tuple(sorted(set(implicated)))
+    nodes = set(job_nodes)
+    since = now - timedelta(seconds=policy.storm_window_s)
+    recent_nodes = tuple(sorted({node for node, at in recent if since <= at <= now} | set(names)))
+    reasons = []
+    share: float | None = None
+    if nodes:
+        share = len(names) / len(nodes)
+        if share > policy.storm_node_share:
+            reasons.append(
+                f"alarms implicate {len(names)} of the job's {len(nodes)} nodes "
+                f"({share:.0%} > {policy.storm_node_share:.0%})"
+            )
+    if len(recent_nodes) > policy.storm_max_nodes_per_hour:
+        reasons.append(
+            f"{len(recent_nodes)} distinct nodes implicated within {policy.storm_window_s} s "
+            f"(> {policy.storm_max_nodes_per_hour})"
+        )
+    if reasons:
+        reason = (
+            "alarm storm, suspected software fault: "
+            + "; ".join(reasons)
+            + " — no automatic replacement, a human must decide"
+        )
+    else:
+        reason = "no storm: " + (
+            f"{len(names)} of {len(nodes)} nodes implicated"
+            if nodes
+            else f"{len(names)} node(s) implicated, job size unknown"
+        )
+    return StormCheck(
+        tripped=bool(reasons),
+        reason=reason,
+        implicated=names,
+        job_nodes=len(nodes),
+        share=share,
+        recent_nodes=recent_nodes,
+    )
+
+
+def auto_approval(
+    *,
+    policy: IncidentPolicy,
+    verdict: str | None,
+    verdict_node: str | None,
+    alarms: Sequence[AlarmEvidence],
+    storm: StormCheck,
+) -> AutoApproval:
+    """May the policy approve this incident without a human? Only on the strongest evidence."""
+    if not policy.auto_approve:
+        return AutoApproval(False, "auto-approval is off in the policy")
+    if storm.tripped:
+        return AutoApproval(False, f"auto-approval refused: {storm.reason}")
+    if verdict != _HARDWARE or not verdict_node:
+        return AutoApproval(
+            False, f"auto-approval refused: the verdict is {verdict or 'missing'}, not hardware"
+        )
+    backing = [a for a in alarms if _names_exactly(a, verdict_node)]
+    if not backing:
+        return AutoApproval(
+            False,
+            f"auto-approval refused: no strict-majority vote or ring audit names only "
+            f"{verdict_node}",
+        )
+    kinds = sorted(
+        {"strict-majority vote" if a.layer == _MAJORITY_LAYER else "ring audit" for a in backing}
+    )
+    return AutoApproval(
+        True,
+        f"auto-approved by policy: hardware verdict on {verdict_node}, backed by "
+        + " and ".join(kinds),
+    )
+
+
+def _names_exactly(alarm: AlarmEvidence, node: str) -> bool:
+    """A vote or audit alarm that names exactly ``node``; a vote must not deny its majority."""
+    if alarm.suspect_nodes != (node,):
+        return False
+    if alarm.layer == _AUDIT_LAYER:
+        return True
+    return alarm.layer == _MAJORITY_LAYER and alarm.detail.get("majority", True) is not False

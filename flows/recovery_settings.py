@@ -1,0 +1,169 @@
+"""Settings of the recovery side: which backends the incident flow acts through, and where.
+
+One pydantic-settings class per concern, each read from ``SDCGUARD_<CONCERN>_<FIELD>``. The
+choice between the local backends (a simulated cluster, AWS mocked by moto) and the real ones
+(Kubernetes, SageMaker HyperPod, S3) is made here, once, by ``SDCGUARD_RECOVERY_MODE`` — never
+by a flag threaded through calls. ``local`` is the default: a missing setting must not reach a
+real cluster.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = [
+    "AwsSettings",
+    "BackendMode",
+    "FlowSettings",
+    "KubeSettings",
+    "RecoverySettings",
+]
+
+
+class BackendMode(StrEnum):
+    """Which side-effect backends the incident flow uses."""
+
+    LOCAL = "local"
+    """Simulated cluster state file, local training processes, fixture telemetry, moto."""
+    REAL = "real"
+    """Kubernetes API, SageMaker HyperPod, S3: the production cluster and account."""
+
+
+class RecoverySettings(BaseSettings):
+    """Backends and working directories of the incident flow (``SDCGUARD_RECOVERY_…``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SDCGUARD_RECOVERY_", extra="ignore")
+
+    mode: BackendMode = Field(
+        default=BackendMode.LOCAL,
+        description="local (simulated cluster, moto) or real (Kubernetes, HyperPod, S3).",
+    )
+    state_dir: Path = Field(
+        default=Path(".sdcguard"),
+        description="Local mode: where the cluster state, job state and replays are kept.",
+    )
+    cluster_state: Path | None = Field(
+        default=None,
+        description="Local mode: the simulated cluster's JSON state (<state_dir>/cluster.json).",
+    )
+    telemetry_fixtures: Path | None = Field(
+        default=None,
+        description="Local mode: per-node telemetry fixtures (default: shipped with recovery).",
+    )
+    database_secret_block: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=255,
+        description=(
+            "Name of a Prefect Secret block holding the ledger URL; read at run time and "
+            "preferred over SDCGUARD_DATABASE_URL, so a deployment never carries the secret."
+        ),
+    )
+    checkpoint_root: Path | None = Field(
+        default=None,
+        description="Local mode: root of the file checkpoint store (<state_dir>/checkpoints).",
+    )
+    checkpoint_bucket: str | None = Field(
+        default=None,
+        min_length=3,
+        max_length=63,
+        description="Real mode: S3 bucket of the checkpoints.",
+    )
+    replay_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=24 * 3600,
+        description="Longest a single diagnostic replay may run before it counts as failed.",
+    )
+
+    def cluster_state_path(self) -> Path:
+        return self.cluster_state or self.state_dir / "cluster.json"
+
+    def checkpoint_root_path(self) -> Path:
+        return self.checkpoint_root or self.state_dir / "checkpoints"
+
+    def jobs_dir(self) -> Path:
+        return self.state_dir / "jobs"
+
+    def replay_dir(self) -> Path:
+        return self.state_dir / "replays"
+
+
+class AwsSettings(BaseSettings):
+    """SageMaker HyperPod and S3 (``SDCGUARD_AWS_…``); credentials come from the AWS chain."""
+
+    model_config = SettingsConfigDict(env_prefix="SDCGUARD_AWS_", extra="ignore")
+
+    endpoint_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        description=(
+            "Override of the AWS endpoint: the local moto server in local mode (required there); "
+            "unset in real mode."
+        ),
+    )
+    region: str = Field(
+        default="us-east-1",
+        pattern=r"^[a-z]{2}(-[a-z]+)+-\d$",
+        description="AWS region of the HyperPod cluster and the checkpoint bucket.",
+    )
+    hyperpod_cluster: str = Field(
+        default="sdcguard-local",
+        min_length=1,
+        max_length=63,
+        description="Name of the SageMaker HyperPod cluster whose instances are replaced.",
+    )
+
+
+class KubeSettings(BaseSettings):
+    """The Kubernetes cluster the nodes and training jobs live in (``SDCGUARD_KUBE_…``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SDCGUARD_KUBE_", extra="ignore")
+
+    namespace: str = Field(
+        default="default",
+        min_length=1,
+        max_length=63,
+        description="Namespace of the training jobs.",
+    )
+    context: str | None = Field(
+        default=None,
+        max_length=253,
+        description="kubeconfig context; unset inside the cluster (in-cluster config).",
+    )
+    replay_image: str | None = Field(
+        default=None,
+        max_length=512,
+        description=(
+            "The training image replays run in (the job's own image: a replay is evidence only "
+            "when the code and libraries are the job's). Unset: no replay, verdict inconclusive."
+        ),
+    )
+    replay_namespace: str = Field(
+        default="sdcguard",
+        min_length=1,
+        max_length=63,
+        description="Namespace of the replay Jobs.",
+    )
+    spare_nodes: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Spare nodes the diagnostic replay may run on (JSON list of node names).",
+    )
+
+
+class FlowSettings(BaseSettings):
+    """How the incident flow runs under Prefect (``SDCGUARD_FLOW_…``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SDCGUARD_FLOW_", extra="ignore")
+
+    approval_poll_s: int = Field(
+        default=10,
+        ge=1,
+        le=300,
+        description="How often a paused run checks whether the approver answered.",
+    )

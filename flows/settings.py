@@ -1,0 +1,122 @@
+"""Settings for the service side of sdcguard: one pydantic-settings class per concern.
+
+Every class reads ``SDCGUARD_<CONCERN>_<FIELD>`` from the environment, so an operator sets
+``SDCGUARD_DATABASE_URL`` or ``SDCGUARD_WEBHOOK_SECRET`` and nothing else needs to know where the
+value came from. Lower packages (``db``, ``detection``, ``recovery``) never read these classes:
+they take explicit constructor arguments, and ``flows`` builds them from the settings here.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from pydantic import Field, SecretStr, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from db.engine import DEFAULT_DATABASE_URL
+from flows.trigger import TriggerMode
+
+__all__ = [
+    "DatabaseSettings",
+    "PrefectTriggerSettings",
+    "SettingsError",
+    "WebhookSettings",
+    "load_settings",
+]
+
+_S = TypeVar("_S", bound=BaseSettings)
+
+
+class SettingsError(Exception):
+    """Settings from the environment are missing or invalid; the message names the variables."""
+
+
+def load_settings(cls: type[_S]) -> _S:
+    """Read ``cls`` from the environment, with errors that never echo a value.
+
+    pydantic's own message repeats the offending input — for ``SDCGUARD_WEBHOOK_SECRET`` that is
+    the secret itself — so the error is rebuilt from locations and messages only, and the
+    original is deliberately not chained (its traceback would print the input again).
+    """
+    try:
+        return cls()
+    except ValidationError as err:
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        problems = "; ".join(
+            f"{prefix}{'_'.join(str(part) for part in problem['loc']).upper()}: {problem['msg']}"
+            for problem in err.errors(include_input=False, include_url=False)
+        )
+        raise SettingsError(f"invalid {cls.__name__}: {problems}") from None
+
+
+class DatabaseSettings(BaseSettings):
+    """Where the ledger lives (``SDCGUARD_DATABASE_URL``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SDCGUARD_DATABASE_", extra="ignore")
+
+    url: str = Field(
+        default=DEFAULT_DATABASE_URL,
+        min_length=1,
+        max_length=4096,
+        description=(
+            "SQLAlchemy URL of the ledger, e.g. postgresql+psycopg://user@host/sdcguard. "
+            "The default is a SQLite file under .sdcguard/, good for one machine only."
+        ),
+    )
+
+
+class WebhookSettings(BaseSettings):
+    """The alarm webhook and ledger API (``sdcguard serve``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SDCGUARD_WEBHOOK_", extra="ignore")
+
+    secret: SecretStr = Field(
+        min_length=16,
+        description=(
+            "Shared HMAC secret of the training ranks and the webhook (SDCGUARD_WEBHOOK_SECRET). "
+            "At least 16 characters: a short secret can be brute-forced from one signed request."
+        ),
+    )
+    host: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        max_length=253,
+        description="Interface to listen on; loopback unless the ranks run on other machines.",
+    )
+    port: int = Field(default=8787, ge=1, le=65535, description="TCP port to listen on.")
+    max_body_bytes: int = Field(
+        default=1 << 20,
+        ge=1024,
+        le=64 << 20,
+        description=(
+            "Largest request body accepted (413 above it). 1 MiB holds the rank map of a "
+            "several-thousand-rank job; the limit keeps an unauthenticated caller from making "
+            "the service buffer an unbounded body before its signature is checked."
+        ),
+    )
+    window_s: int = Field(
+        default=300,
+        ge=1,
+        le=3600,
+        description="Accepted clock skew of X-SDCGuard-Timestamp, in seconds (replay window).",
+    )
+    trigger: TriggerMode = Field(
+        default=TriggerMode.PREFECT,
+        description=(
+            "What starts the incident flow when an alarm opens an incident: a Prefect "
+            "deployment (prefect), a worker thread of this service (local), or nothing (none)."
+        ),
+    )
+
+
+class PrefectTriggerSettings(BaseSettings):
+    """Which Prefect deployment an opened incident starts (``--trigger prefect``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SDCGUARD_PREFECT_", extra="ignore")
+
+    deployment: str = Field(
+        default="incident-response/incident",
+        pattern=r"^[^/]+/[^/]+$",
+        max_length=512,
+        description="Deployment to run, as '<flow name>/<deployment name>' (see prefect.yaml).",
+    )

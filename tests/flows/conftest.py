@@ -1,0 +1,144 @@
+"""Fixtures of the flows tests: a real webhook on loopback, signed requests, a real Prefect API.
+
+The ledger fixtures (``database_url`` over SQLite and PostgreSQL, a migrated ``ledger``) come
+from ``tests/fixtures_db.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import func, select
+
+from db import Ledger
+from db.models import Base
+from detection.signing import signed_headers
+from flows.serve import run_in_thread
+from flows.trigger import RecordingTrigger
+from flows.webhook import create_app
+
+WEBHOOK_SECRET = "test-webhook-secret-0123456789abcdef"
+
+
+@dataclass(frozen=True)
+class Webhook:
+    """A running webhook app and what it writes to."""
+
+    url: str
+    app: FastAPI
+    ledger: Ledger
+    trigger: RecordingTrigger
+    secret: str
+
+    def post(self, path: str, payload: Any) -> httpx.Response:
+        """POST ``payload`` as JSON, signed the way DESIGN says."""
+        return signed_post(self.url, self.secret, path, payload)
+
+    def post_raw(self, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
+        all_headers = {"Content-Type": "application/json", **headers}
+        return httpx.post(self.url + path, content=body, headers=all_headers, timeout=30)
+
+    def get(self, path: str, **params: Any) -> httpx.Response:
+        return httpx.get(self.url + path, params=params, timeout=30)
+
+
+def signed_post(url: str, secret: str, path: str, payload: Any) -> httpx.Response:
+    """POST ``payload`` as JSON to ``url + path``, signed the way DESIGN says."""
+    body = json.dumps(payload).encode()
+    headers = {**signed_headers(secret, body), "Content-Type": "application/json"}
+    return httpx.post(url + path, content=body, headers=headers, timeout=30)
+
+
+def row_counts(ledger: Ledger) -> dict[str, int]:
+    """Rows per ledger table: what "nothing was written" is checked against."""
+    with ledger.engine.connect() as conn:
+        return {
+            table.name: int(conn.execute(select(func.count()).select_from(table)).scalar_one())
+            for table in Base.metadata.sorted_tables
+        }
+
+
+@pytest.fixture
+def webhook_secret() -> str:
+    return WEBHOOK_SECRET
+
+
+@pytest.fixture
+def recording_trigger() -> RecordingTrigger:
+    return RecordingTrigger()
+
+
+@pytest.fixture
+def webhook(
+    ledger: Ledger, recording_trigger: RecordingTrigger, webhook_secret: str
+) -> Iterator[Webhook]:
+    """The app on a real uvicorn server on loopback, over the parametrized ledger."""
+    app = create_app(ledger, recording_trigger, webhook_secret, max_body_bytes=64 * 1024)
+    with run_in_thread(app) as url:
+        yield Webhook(url, app, ledger, recording_trigger, webhook_secret)
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    """One temporary Prefect server (API + SQLite) for the whole test session; yields its URL.
+
+    ``prefect_test_harness`` points ``PREFECT_API_URL`` at it while the session runs. Starting
+    it takes 15-25 s on two cores, hence one per session, shared by every test that needs it.
+    """
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        url = PREFECT_API_URL.value()
+        assert url, "prefect_test_harness did not set PREFECT_API_URL"
+        yield url
+
+
+def alarm_payload(
+    *,
+    job_id: Any = "job-1",
+    step: Any = 37,
+    rank: Any = 2,
+    node: Any = "node-2",
+    **overrides: Any,
+) -> dict[str, Any]:
+    """An alarm body as DESIGN writes it, with a fresh alarm id; any field may be overridden
+    (with any value: the refusal tests send wrong types on purpose)."""
+    payload: dict[str, Any] = {
+        "alarm_id": str(uuid.uuid4()),
+        "job_id": job_id,
+        "step": step,
+        "rank": rank,
+        "node": node,
+        "layer": "audit",
+        "phase": "gradient",
+        "suspect_ranks": [rank],
+        "suspect_nodes": [node],
+        "detail": {"max_abs_diff": 3.5e38, "partner": 3},
+        "sent_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+    }
+    payload.update(overrides)
+    return payload
+
+
+def ranks_payload(world_size: int, ranks_per_node: int = 4) -> dict[str, Any]:
+    return {
+        "ranks": [
+            {
+                "rank": r,
+                "local_rank": r % ranks_per_node,
+                "node": f"node-{r // ranks_per_node}",
+                "instance_id": f"i-{r // ranks_per_node:017x}",
+                "gpu_uuid": f"GPU-{uuid.UUID(int=r)}",
+            }
+            for r in range(world_size)
+        ]
+    }

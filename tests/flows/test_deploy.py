@@ -1,0 +1,299 @@
+"""prefect.yaml against a real ``prefect server start`` and a real process worker.
+
+The whole path an operator runs: create the work pools, ``prefect deploy --all``, start a worker,
+let the webhook's PrefectTrigger start the incident deployment for a signed alarm, answer the
+approval form through Prefect's API as the UI does, and watch the flow — run by the worker in
+its own process, on the local backends built from settings — end ``resolved``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from db import CheckpointStatus, IncidentState, Ledger
+from detection.signing import signed_headers
+from flows.approval import ApprovalDecision, flow_run_name, submit_decision
+from flows.serve import run_in_thread
+from flows.trigger import PrefectTrigger
+from flows.webhook import create_app
+from recovery.aws_local import create_demo_cluster, start_local_aws
+from recovery.cluster import LocalCluster, NodeState
+from recovery.jobs import JobKind, JobRef, LocalJobControl
+
+REPO = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+SECRET = "deploy-test-webhook-secret-0123456789"
+NODES = ["node-0", "node-1", "node-2", "node-3"]
+SPARES = ["node-4", "node-5"]
+JOB = "job-deployed"
+HYPERPOD_CLUSTER = "sdc-deploy"
+STAND_IN = [sys.executable, "-c", "import time; time.sleep(300)"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def _process(
+    argv: list[str], env: Mapping[str, str], log: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a process in its own group; SIGINT (then SIGKILL) that group on the way out."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv,
+            env=dict(env),
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            yield proc
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+def _run_cli(argv: list[str], env: Mapping[str, str]) -> str:
+    done = subprocess.run(
+        argv, env=dict(env), cwd=REPO, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert done.returncode == 0, f"{argv} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+class _ApiBoundTrigger:
+    """PrefectTrigger pointed at this test's server from the dispatcher's own thread.
+
+    Prefect's settings context does not follow a new thread, and the test session may have
+    another Prefect API active: binding the URL where the trigger fires keeps the two apart.
+    """
+
+    def __init__(self, api_url: str) -> None:
+        self._api_url = api_url
+        self._trigger = PrefectTrigger("incident-response/incident")
+
+    def fire(self, incident_id: str, job_id: str) -> None:
+        with temporary_settings({PREFECT_API_URL: self._api_url}):
+            self._trigger.fire(incident_id, job_id)
+
+
+def _post(url: str, path: str, payload: Any) -> httpx.Response:
+    body = json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json", **signed_headers(SECRET, body)}
+    return httpx.post(url + path, content=body, headers=headers, timeout=30)
+
+
+def _seed_job(url: str, ckpt_dir: Path, instance_ids: dict[str, str]) -> dict[int, Path]:
+    """The job reports itself to the webhook: ranks, checkpoints 9/19 verified, 29 pending."""
+    ranks = [
+        {"rank": r, "local_rank": 0, "node": n, "instance_id": instance_ids[n]}
+        for r, n in enumerate(NODES)
+    ]
+    assert _post(url, f"/v1/jobs/{JOB}/ranks", {"ranks": ranks}).status_code == 200
+    paths = {}
+    for step in (9, 19, 29):
+        path = ckpt_dir / f"ckpt-{step:06d}.pt"
+        path.write_bytes(f"weights after step {step}\n".encode() * 64)
+        body = {
+            "step": step,
+            "uri": str(path),
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "fingerprint": f"{step:032x}",
+            "nodes": NODES,
+        }
+        assert _post(url, f"/v1/jobs/{JOB}/checkpoints", body).status_code < 300
+        if step < 29:
+            audit = {"step": step + 1, "kind": "loss", "ranks": [0, 1, 2, 3], "passed": True}
+            assert _post(url, f"/v1/jobs/{JOB}/audits", audit).status_code < 300
+        paths[step] = path
+    return paths
+
+
+def _alarm() -> dict[str, Any]:
+    return {
+        "alarm_id": str(uuid.uuid4()),
+        "job_id": JOB,
+        "step": 27,
+        "rank": 0,
+        "node": "node-0",
+        "layer": "audit",
+        "phase": "loss",
+        "suspect_ranks": [2],
+        "suspect_nodes": ["node-2"],
+        "detail": {"partner": 3},
+        "sent_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _flow_run_state(api_url: str, incident_id: str) -> str | None:
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name(incident_id)]))
+        )
+    return runs[0].state.type.value if runs and runs[0].state is not None else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_prefect_yaml_deploys_and_a_worker_resolves_a_webhook_incident(
+    tmp_path: Path, sqlite_database_url: str
+) -> None:
+    port = _free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    state_dir = tmp_path / "state"
+    prefect_env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_LOGGING_TO_API_ENABLED": "false",
+    }
+    with start_local_aws() as aws:
+        ids = create_demo_cluster(aws, HYPERPOD_CLUSTER, len(NODES) + len(SPARES))
+        instance_ids = dict(zip(NODES + SPARES, ids, strict=True))
+        cluster = LocalCluster.create(state_dir / "cluster.json", NODES, SPARES, instance_ids)
+        jobs = LocalJobControl(state_dir / "jobs", command=STAND_IN)
+        jobs.launch(JOB, ["--world-size", "4", "--nodes", ",".join(NODES)], tmp_path / "job.log")
+        worker_env = {
+            **prefect_env,
+            "PREFECT_WORKER_QUERY_SECONDS": "1",
+            "SDCGUARD_DATABASE_URL": sqlite_database_url,
+            "SDCGUARD_RECOVERY_STATE_DIR": str(state_dir),
+            "SDCGUARD_AWS_ENDPOINT_URL": aws.endpoint_url,
+            "SDCGUARD_AWS_HYPERPOD_CLUSTER": HYPERPOD_CLUSTER,
+            "SDCGUARD_FLOW_APPROVAL_POLL_S": "1",
+            # moto's dummy credentials: local mode talks only to the moto endpoint above
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": aws.region,
+        }
+        server = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+        worker = [PREFECT, "worker", "start", "--pool", "sdcguard-local", "--type", "process"]
+        try:
+            with _process(server, prefect_env, tmp_path / "server.log"):
+                _wait_for(
+                    "the Prefect server answers",
+                    lambda: _healthy(api_url),
+                    timeout_s=120,
+                )
+                _run_cli(
+                    [PREFECT, "work-pool", "create", "sdcguard-local", "--type", "process"],
+                    prefect_env,
+                )
+                _run_cli(
+                    [PREFECT, "work-pool", "create", "sdcguard-k8s", "--type", "kubernetes"],
+                    prefect_env,
+                )
+                out = _run_cli([PREFECT, "--no-prompt", "deploy", "--all"], prefect_env)
+                assert "incident-response/incident-production" in out
+                _check_deployments(api_url)
+
+                with (
+                    _process(worker, worker_env, tmp_path / "worker.log"),
+                    Ledger.from_url(sqlite_database_url) as ledger,
+                ):
+                    app = create_app(ledger, _ApiBoundTrigger(api_url), SECRET)
+                    with run_in_thread(app) as url:
+                        checkpoints = _seed_job(url, tmp_path, instance_ids)
+                        accepted = _post(url, "/v1/alarms", _alarm())
+                        assert accepted.status_code == 202, accepted.text
+                        incident_id = accepted.json()["incident_id"]
+
+                        _wait_for(
+                            "the worker's flow run pauses for approval",
+                            lambda: (
+                                ledger.get_incident(incident_id).state
+                                is IncidentState.AWAITING_APPROVAL
+                            ),
+                            timeout_s=180,
+                        )
+                        decision = ApprovalDecision(
+                            decision="approve", approver="oncall@example.com", reason="node-2"
+                        )
+                        with temporary_settings({PREFECT_API_URL: api_url}):
+                            submit_decision(incident_id, decision, timeout_s=60)
+                        _wait_for(
+                            "the flow run completes",
+                            lambda: _flow_run_state(api_url, incident_id) == "COMPLETED",
+                            timeout_s=120,
+                        )
+
+                    incident = ledger.get_incident(incident_id)
+                    assert incident.state is IncidentState.RESOLVED, incident.reason
+                    assert incident.approver == "oncall@example.com"
+                    assert cluster.records()[2].state is NodeState.GONE
+                    statuses = {c.step: c.status for c in ledger.list_checkpoints(JOB)}
+                    assert statuses[29] is CheckpointStatus.QUARANTINED
+                    resumed = json.loads((state_dir / "jobs" / f"{JOB}.json").read_text())
+                    assert resumed["launches"][-1]["args"][-4:] == [
+                        "--resume-from",
+                        str(checkpoints[19]),
+                        "--nodes",
+                        "node-0,node-1,node-6,node-3",
+                    ]
+        finally:
+            jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
+
+
+def _healthy(api_url: str) -> bool:
+    try:
+        return httpx.get(f"{api_url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _check_deployments(api_url: str) -> None:
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        deployments = {d.name: d for d in client.read_deployments()}
+    assert set(deployments) == {"incident", "incident-production"}
+    for deployment in deployments.values():
+        assert deployment.global_concurrency_limit is not None
+        assert deployment.global_concurrency_limit.limit == 1
+        assert deployment.enforce_parameter_schema
+    local, production = deployments["incident"], deployments["incident-production"]
+    assert local.work_pool_name == "sdcguard-local"
+    assert production.work_pool_name == "sdcguard-k8s"
+    assert production.pull_steps == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": "/opt/sdcguard"}}
+    ]
+    # secrets only via blocks: the production deployment names a block, carries no secret
+    env = production.job_variables["env"]
+    assert env["SDCGUARD_RECOVERY_DATABASE_SECRET_BLOCK"] == "sdcguard-database-url"
+    assert not any("URL" in key and "DATABASE" in key for key in env)

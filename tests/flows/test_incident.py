@@ -1,0 +1,821 @@
+"""The incident-response flow on the local backends, against a real Prefect API.
+
+Everything outside sdcguard is real or faked at its wire: a temporary Prefect server (the
+session's ``prefect_api``), a SQLite ledger, a simulated cluster state file, local processes as
+the training job, packaged telemetry fixtures, a file checkpoint store and SageMaker HyperPod
+served by moto over HTTP. The one stand-in is :class:`ScriptedReplay`, the cluster nodes that
+run replays reduced to their answers (a faulty node computes something else from a given step
+on); ``test_real_replay_names_the_faulty_node`` runs real replays of a real training job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.sorting import ArtifactSort
+
+from db import (
+    ActionStatus,
+    AlarmIn,
+    CheckpointStatus,
+    IncidentState,
+    Ledger,
+    RankIn,
+)
+from flows.approval import ApprovalDecision, artifact_key, submit_decision
+from flows.incident import IncidentFailed, incident_response, respond
+from flows.policy import IncidentPolicy, NodeAction
+from flows.report import STAGE_KIND, incident_summary
+from flows.wiring import Backends, LocalJobCatalog, LocalNodeDirectory, use_backends
+from recovery import moto_hyperpod
+from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
+from recovery.checkpoints import FileCheckpointStore
+from recovery.cluster import LocalCluster, NodeState
+from recovery.hyperpod import HyperPod, sagemaker_client
+from recovery.jobs import JobKind, JobRef, JobStatus, LocalJobControl
+from recovery.nodes import ANNOTATION_CORDONED_BY, LocalNodeOps
+from recovery.replay import LocalReplayRunner, ReplayRequest, ReplayResult, StepRecord
+from recovery.telemetry import FixtureTelemetry, packaged_fixture_root
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+NODES = ["node-0", "node-1", "node-2", "node-3"]
+SPARES = ["node-4", "node-5"]
+FAULTY = "node-2"
+JOB = "job-sdc"
+JOB_ARGS = ["--world-size", "4", "--nodes", ",".join(NODES), "--seed", "7", "--audit-mode", "loss"]
+STAND_IN = [sys.executable, "-c", "import time; time.sleep(300)"]
+ALARM_STEP = 37
+
+FAST = IncidentPolicy(task_retries=2, retry_delay_s=0.0, approval_timeout_s=60)
+AUTO = FAST.model_copy(update={"auto_approve": True})
+
+
+class ScriptedReplay:
+    """Replay nodes reduced to their answers: bitwise equal everywhere, except that a node with
+    a persistent fault computes another loss and other weights from ``from_step`` on."""
+
+    def __init__(self, faulty: dict[str, int]) -> None:
+        self.faulty = faulty
+        self.requests: list[ReplayRequest] = []
+
+    def replay(self, request: ReplayRequest) -> ReplayResult:
+        self.requests.append(request)
+        ranks = request.spec.world_size
+        bad_from = self.faulty.get(request.node)
+        steps = []
+        for step in range(request.start, request.end + 1):
+            bad = bad_from is not None and step >= bad_from
+            steps.append(
+                StepRecord(
+                    step=step,
+                    losses=(9.5 if bad else 1.0 / (step + 1),) * ranks,
+                    grad_fingerprints=(f"{step:032x}",) * ranks,
+                    weight_fingerprint=("f" if bad else "0") * 32,
+                )
+            )
+        probe = None
+        if request.probe_step is not None:
+            bad = bad_from is not None and request.probe_step >= bad_from
+            probe = {
+                "order": ["embed", "head"],
+                "kinds": {"embed": "embedding", "head": "linear"},
+                "ranks": {"0": {"forward": {"embed": "e", "head": "bad" if bad else "ok"}}},
+            }
+        return ReplayResult(request.node, tuple(steps), probe)
+
+
+class Crash(BaseException):
+    """The flow's process dies: nothing of ours catches it, as nothing survives a SIGKILL."""
+
+
+@dataclass
+class Effects:
+    """Side effects that reached the outside systems, and where to crash after one."""
+
+    done: list[tuple[str, str]] = field(default_factory=list)
+    crash_after: set[int] = field(default_factory=set)
+
+    def record(self, verb: str, target: str) -> None:
+        self.done.append((verb, target))
+        if len(self.done) in self.crash_after:
+            raise Crash(f"crash after side effect {len(self.done)}: {verb} {target}")
+
+
+class CountingNodes(LocalNodeOps):
+    """The simulated cluster's node API, recording each change it really made."""
+
+    def __init__(self, cluster: LocalCluster, effects: Effects) -> None:
+        super().__init__(cluster)
+        self.effects = effects
+
+    def cordon(self, node: str, incident_id: str) -> bool:
+        done = super().cordon(node, incident_id)
+        if done:
+            self.effects.record("cordon", node)
+        return done
+
+    def taint(self, node: str, incident_id: str) -> bool:
+        done = super().taint(node, incident_id)
+        if done:
+            self.effects.record("taint", node)
+        return done
+
+    def uncordon(self, node: str, incident_id: str) -> bool:
+        done = super().uncordon(node, incident_id)
+        if done:
+            self.effects.record("uncordon", node)
+        return done
+
+
+class CountingJobs(LocalJobControl):
+    """Local training processes, recording each stop and resume that changed something."""
+
+    def __init__(self, state_dir: Path, effects: Effects) -> None:
+        super().__init__(state_dir, command=STAND_IN, stop_timeout_s=5.0)
+        self.effects = effects
+
+    def stop(self, job: JobRef) -> Any:
+        result = super().stop(job)
+        if result.outcome.value == "stopped":
+            self.effects.record("stop", job.name)
+        return result
+
+    def resume(self, job: JobRef, checkpoint_uri: str, step: int, nodes: list[str] | None) -> Any:
+        result = super().resume(job, checkpoint_uri, step, nodes)
+        if result.outcome.value == "resumed":
+            self.effects.record("resume", job.name)
+        return result
+
+
+class CountingHyperPod(HyperPod):
+    """HyperPod on moto, recording each replace the service accepted."""
+
+    effects: Effects
+
+    def replace(self, instance_ids: Any) -> Any:
+        result = super().replace(instance_ids)
+        for instance_id in result.successful:
+            self.effects.record("replace", instance_id)
+        return result
+
+
+@dataclass
+class Site:
+    """One simulated cluster with a training job whose node-2 went bad at step 37."""
+
+    ledger: Ledger
+    cluster: LocalCluster
+    jobs: CountingJobs
+    hyperpod: CountingHyperPod
+    store: FileCheckpointStore
+    backends: Backends
+    effects: Effects
+    incident_id: str
+    checkpoints: dict[int, Path]
+    instance_ids: dict[str, str]
+    replay: Any
+
+    def run(self, policy: IncidentPolicy = FAST) -> dict[str, Any]:
+        with use_backends(self.backends):
+            return incident_response(self.incident_id, policy)
+
+    def respond(self, policy: IncidentPolicy = FAST) -> dict[str, Any]:
+        with use_backends(self.backends):
+            return respond(self.incident_id, policy)
+
+    def incident(self) -> Any:
+        return self.ledger.get_incident(self.incident_id)
+
+    def job_record(self) -> dict[str, Any]:
+        return dict(json.loads((self.jobs_dir / f"{JOB}.json").read_text()))
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.checkpoints[9].parent.parent / "jobs"
+
+
+@pytest.fixture(scope="module")
+def local_aws() -> Iterator[LocalAws]:
+    with start_local_aws() as aws:
+        yield aws
+
+
+@pytest.fixture(autouse=True)
+def _fast_approval_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SDCGUARD_FLOW_APPROVAL_POLL_S", "1")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _alarm(step: int, nodes: list[str], layer: str = "audit", **detail: Any) -> AlarmIn:
+    ranks = [NODES.index(n) if n in NODES else 0 for n in nodes]
+    return AlarmIn(
+        alarm_id=str(uuid.uuid4()),
+        job_id=JOB,
+        step=step,
+        rank=0,
+        node="node-0",
+        layer=layer,
+        phase="loss",
+        suspect_ranks=ranks,
+        suspect_nodes=nodes,
+        detail=detail or {"partner": 3},
+        sent_at=datetime.now(UTC),
+    )
+
+
+def build_site(
+    tmp_path: Path,
+    ledger: Ledger,
+    aws: LocalAws,
+    *,
+    suspects: list[str] | None = None,
+    replay: Any = None,
+    throttle_retries: bool = False,
+) -> Site:
+    """Seed the ledger with a job (ranks, checkpoints 9/19/29 verified, 39 pending) and one
+    incident, and wire local backends around it."""
+    effects = Effects()
+    cluster_name = f"sdc-{uuid.uuid4().hex[:8]}"
+    names = NODES + SPARES
+    ids = create_demo_cluster(aws, cluster_name, len(names))
+    instance_ids = dict(zip(names, ids, strict=True))
+    cluster = LocalCluster.create(tmp_path / "cluster.json", NODES, SPARES, instance_ids)
+    jobs = CountingJobs(tmp_path / "jobs", effects)
+    jobs.launch(JOB, JOB_ARGS, tmp_path / "job.log")
+    client = sagemaker_client(aws.region, aws.endpoint_url, max_attempts=1, session=aws.session())
+    hyperpod = CountingHyperPod(client, cluster_name, poll_interval_s=0.01, wait_timeout_s=30)
+    hyperpod.effects = effects
+    store = FileCheckpointStore(tmp_path / "store")
+    ledger.register_ranks(JOB, [RankIn(r, 0, n, instance_ids[n]) for r, n in enumerate(NODES)])
+    checkpoints = {}
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()
+    for step in (9, 19, 29, 39):
+        path = ckpt_dir / f"ckpt-{step:06d}.pt"
+        path.write_bytes(f"weights after step {step}\n".encode() * 64)
+        ledger.record_checkpoint(JOB, step, str(path), _sha256(path), f"{step:032x}", NODES)
+        checkpoints[step] = path
+        if step < 39:
+            ledger.record_audit(JOB, step + 1, "loss", [0, 1, 2, 3], True)
+    outcome = ledger.record_alarm(_alarm(ALARM_STEP, suspects or [FAULTY]))
+    replay = replay if replay is not None else ScriptedReplay({FAULTY: 33})
+    backends = Backends(
+        ledger=ledger,
+        nodes=CountingNodes(cluster, effects),
+        jobs=jobs,
+        telemetry=FixtureTelemetry(packaged_fixture_root()),
+        replay=replay,
+        hyperpod=hyperpod,
+        checkpoints=store,
+        directory=LocalNodeDirectory(cluster),
+        catalog=LocalJobCatalog(tmp_path / "jobs"),
+        description=f"test: {tmp_path}",
+    )
+    return Site(
+        ledger=ledger,
+        cluster=cluster,
+        jobs=jobs,
+        hyperpod=hyperpod,
+        store=store,
+        backends=backends,
+        effects=effects,
+        incident_id=outcome.incident_id,
+        checkpoints=checkpoints,
+        instance_ids=instance_ids,
+        replay=replay,
+    )
+
+
+@pytest.fixture
+def site(tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws) -> Iterator[Site]:
+    built = build_site(tmp_path, sqlite_ledger, local_aws)
+    yield built
+    built.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
+
+
+class Approver:
+    """Answers the approval form of the paused incident run from another thread, as the UI."""
+
+    def __init__(self, incident_id: str, answer: dict[str, Any], timeout_s: float = 90) -> None:
+        self.incident_id = incident_id
+        self.answer = ApprovalDecision.model_validate(answer)
+        self.timeout_s = timeout_s
+        self.error: BaseException | None = None
+        self.flow_run_id: str | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Approver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(self.timeout_s)
+
+    def _run(self) -> None:
+        try:
+            self.flow_run_id = submit_decision(
+                self.incident_id, self.answer, timeout_s=self.timeout_s, poll_s=0.2
+            )
+        except BaseException as err:
+            self.error = err
+
+
+APPROVE = {"decision": "approve", "approver": "alice@example.com", "reason": "replay names node-2"}
+
+
+def _artifact(key: str) -> str:
+    """The newest markdown artifact under ``key`` on the Prefect API."""
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+            sort=ArtifactSort.CREATED_DESC,
+        )
+    assert found, f"no artifact {key}"
+    return str(found[0].data)
+
+
+def _keys(site: Site) -> list[str]:
+    return [a.key for a in site.incident().actions]
+
+
+def _side_effect_actions(site: Site) -> list[Any]:
+    return [a for a in site.incident().actions if a.kind != STAGE_KIND]
+
+
+def test_approved_incident_is_replaced_resumed_and_resolved(site: Site) -> None:
+    with Approver(site.incident_id, APPROVE) as approver:
+        summary = site.run()
+    assert approver.error is None
+    assert approver.flow_run_id is not None
+
+    incident = site.incident()
+    assert incident.state is IncidentState.RESOLVED
+    assert [e.to_state for e in incident.history if e.from_state != e.to_state] == [
+        IncidentState.OPEN,
+        IncidentState.STOPPING,
+        IncidentState.CORDONED,
+        IncidentState.DIAGNOSING,
+        IncidentState.AWAITING_APPROVAL,
+        IncidentState.REPLACING,
+        IncidentState.RESUMING,
+        IncidentState.RESOLVED,
+    ]
+    assert (incident.decision, incident.approver) == ("approve", "alice@example.com")
+    assert incident.verdict is not None
+    assert incident.verdict.value == "hardware"
+
+    # node-2's instance left; its replacement joined as a new node and the job resumed on it
+    records = {r.name: r for r in site.cluster.records()}
+    assert records[FAULTY].state is NodeState.GONE
+    new_node = records[FAULTY].replaced_by
+    assert new_node == "node-6"
+    assert records[new_node].state is NodeState.READY
+    assert records[new_node].instance_id not in site.instance_ids.values()
+    launch = site.job_record()["launches"][-1]
+    assert launch["args"][-4:] == [
+        "--resume-from",
+        str(site.checkpoints[29]),
+        "--nodes",
+        "node-0,node-1,node-6,node-3",
+    ]
+    assert site.jobs.status(JobRef(JOB, kind=JobKind.LOCAL)) is JobStatus.RUNNING
+
+    # the pending checkpoint after the range is quarantined, never resumed from
+    status = {c.step: c.status for c in site.ledger.list_checkpoints(JOB)}
+    assert status == {
+        9: CheckpointStatus.VERIFIED,
+        19: CheckpointStatus.VERIFIED,
+        29: CheckpointStatus.VERIFIED,
+        39: CheckpointStatus.QUARANTINED,
+    }
+
+    assert sorted(site.effects.done) == sorted(
+        [
+            ("stop", JOB),
+            ("cordon", FAULTY),
+            ("taint", FAULTY),
+            ("replace", "workers-2"),
+            ("resume", JOB),
+        ]
+    )
+    assert all(a.status is ActionStatus.SUCCEEDED for a in incident.actions)
+    assert summary == incident_summary(incident)
+    assert summary["suspect_range"] == [30 + 1, ALARM_STEP]
+    assert summary["suspect_nodes"] == [FAULTY]
+    assert summary["verdict"] == "hardware"
+    assert summary["approval"]["decision"] == "approve"
+    assert summary["replaced"] == [
+        {
+            "node": FAULTY,
+            "instance_id": "workers-2",
+            "new_instance_id": records[new_node].instance_id,
+            "new_node": new_node,
+        }
+    ]
+    assert summary["resumed_from_step"] == 29
+    assert [s["name"] for s in summary["stages"]] == [
+        "triage",
+        "stop",
+        "cordon",
+        "telemetry",
+        "replay",
+        "approval",
+        "replace",
+        "quarantine",
+        "resume",
+    ]
+    assert all(s["status"] == "succeeded" and s["start"] <= s["end"] for s in summary["stages"])
+
+    evidence = _artifact(artifact_key(site.incident_id, "evidence"))
+    for text in (
+        "## Verdict",
+        "**hardware** on `node-2`",
+        "## Telemetry",
+        "## Roll-back",
+        "currently step 29",
+        "Replace `node-2`",
+    ):
+        assert text in evidence
+    report = _artifact(artifact_key(site.incident_id, "report"))
+    for text in (
+        "resolved",
+        "## Timeline",
+        "| replace | succeeded",
+        "alice@example.com",
+        "Resumed from the verified checkpoint at step 29",
+        "8 step(s) rolled back",
+    ):
+        assert text in report
+
+
+@pytest.mark.parametrize("uncordon", [False, True])
+def test_rejected_incident_replaces_nothing_and_uncordons_only_when_asked(
+    site: Site, uncordon: bool
+) -> None:
+    answer = {
+        "decision": "reject",
+        "approver": "bob",
+        "reason": "known flaky audit",
+        "uncordon_on_reject": uncordon,
+    }
+    with Approver(site.incident_id, answer) as approver:
+        summary = site.run()
+    assert approver.error is None
+
+    incident = site.incident()
+    assert incident.state is IncidentState.REJECTED
+    assert (incident.decision, incident.approver, incident.approval_reason) == (
+        "reject",
+        "bob",
+        "known flaky audit",
+    )
+    node = site.cluster.node(FAULTY)
+    assert node.unschedulable is not uncordon
+    assert (ANNOTATION_CORDONED_BY in node.annotations) is not uncordon
+    assert ("replace", "workers-2") not in site.effects.done
+    assert (("uncordon", FAULTY) in site.effects.done) is uncordon
+    assert summary["replaced"] == []
+    assert summary["resumed_from_step"] is None
+    assert "replace" not in [s["name"] for s in summary["stages"]]
+
+
+def test_no_decision_in_time_expires_and_leaves_the_node_cordoned(site: Site) -> None:
+    policy = FAST.model_copy(update={"approval_timeout_s": 2})
+    summary = site.respond(policy)
+
+    incident = site.incident()
+    assert incident.state is IncidentState.EXPIRED
+    assert incident.decision == "expire"
+    assert "no decision within 2 s" in (incident.reason or "")
+    assert "nodes stay cordoned" in (incident.reason or "")
+    assert site.cluster.node(FAULTY).unschedulable
+    assert [v for v, _ in site.effects.done] == ["stop", "cordon", "taint"]
+    assert summary["state"] == "expired"
+    assert summary["replaced"] == []
+
+
+def test_auto_approval_takes_a_hardware_verdict_backed_by_a_ring_audit(site: Site) -> None:
+    summary = site.run(AUTO)
+
+    incident = site.incident()
+    assert incident.state is IncidentState.RESOLVED
+    assert incident.approver == "policy:auto-approve"
+    assert "ring audit" in (incident.approval_reason or "")
+    assert summary["resumed_from_step"] == 29
+
+
+def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
+) -> None:
+    site = build_site(tmp_path, sqlite_ledger, local_aws, suspects=["node-1", "node-2", "node-3"])
+    try:
+        policy = AUTO.model_copy(update={"approval_timeout_s": 2})
+        site.respond(policy)
+        incident = site.incident()
+        assert incident.storm
+        assert "alarm storm" in (incident.storm_reason or "")
+        assert "3 of the job's 4 nodes" in (incident.storm_reason or "")
+        # a human was asked (the pause expired), nothing was cordoned or replaced
+        assert incident.state is IncidentState.EXPIRED
+        assert incident.approver is None
+        assert [v for v, _ in site.effects.done] == ["stop"]
+        assert not any(site.cluster.node(n).unschedulable for n in NODES)
+        assert incident.verdict is not None  # the replay still ran: evidence for the human
+    finally:
+        site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
+
+
+def test_a_crash_after_any_side_effect_is_continued_by_a_rerun_exactly_once(site: Site) -> None:
+    replaces_before = moto_hyperpod.call_count("BatchReplaceClusterNodes")
+    site.effects.crash_after = {1, 2, 3, 4, 5}
+    crashes = 0
+    for _ in range(6):
+        try:
+            site.run(AUTO)
+        except Crash:
+            crashes += 1
+            continue
+        break
+    assert crashes == 5
+
+    incident = site.incident()
+    assert incident.state is IncidentState.RESOLVED
+    assert sorted(site.effects.done) == sorted(
+        [
+            ("stop", JOB),
+            ("cordon", FAULTY),
+            ("taint", FAULTY),
+            ("replace", "workers-2"),
+            ("resume", JOB),
+        ]
+    )
+    assert moto_hyperpod.call_count("BatchReplaceClusterNodes") - replaces_before == 1
+    keys = _keys(site)
+    assert len(keys) == len(set(keys))
+    assert all(a.status is ActionStatus.SUCCEEDED for a in incident.actions)
+    claims = [
+        e.action_key
+        for e in site.ledger.action_events(site.incident_id)
+        if e.status is ActionStatus.CLAIMED
+    ]
+    side_effects = {a.key for a in _side_effect_actions(site)}
+    assert sorted(k for k in claims if k in side_effects) == sorted(side_effects)
+    assert len(site.job_record()["launches"]) == 2  # the original run and one resume
+
+
+def test_a_temporary_error_is_retried_and_recovers(site: Site) -> None:
+    moto_hyperpod.inject_throttling("BatchReplaceClusterNodes", 1)
+    summary = site.run(AUTO)
+
+    assert summary["state"] == "resolved"
+    replace = next(a for a in site.incident().actions if a.kind == "replace")
+    assert replace.attempts == 2
+    assert replace.status is ActionStatus.SUCCEEDED
+
+
+def test_an_action_failing_after_its_retries_fails_the_incident(site: Site) -> None:
+    moto_hyperpod.inject_throttling("BatchReplaceClusterNodes", FAST.task_retries + 1)
+    with pytest.raises(IncidentFailed) as failed:
+        site.run(AUTO)
+    moto_hyperpod.inject_throttling("BatchReplaceClusterNodes", 0)
+
+    incident = site.incident()
+    assert incident.state is IncidentState.FAILED
+    assert "ThrottledError" in (incident.reason or "")
+    assert failed.value.summary["state"] == "failed"
+    replace = next(a for a in incident.actions if a.kind == "replace")
+    assert replace.status is ActionStatus.FAILED
+    assert replace.attempts == FAST.task_retries + 1
+    assert site.cluster.node(FAULTY).unschedulable  # nothing was undone or replaced
+    assert ("resume", JOB) not in site.effects.done
+
+
+def test_a_corrupt_newest_checkpoint_is_marked_and_the_next_older_one_is_used(site: Site) -> None:
+    site.checkpoints[29].write_bytes(b"bit rot")
+    summary = site.run(AUTO)
+
+    by_step = {c.step: c for c in site.ledger.list_checkpoints(JOB)}
+    assert by_step[29].status is CheckpointStatus.CORRUPT
+    assert "sha256" in (by_step[29].reason or "")
+    assert by_step[39].status is CheckpointStatus.QUARANTINED
+    assert summary["resumed_from_step"] == 19
+    assert summary["resumed_checkpoint"] == str(site.checkpoints[19])
+    launch = site.job_record()["launches"][-1]
+    assert str(site.checkpoints[19]) in launch["args"]
+
+
+def test_rerun_of_a_closed_incident_changes_nothing(site: Site) -> None:
+    site.run(AUTO)
+    before = (site.incident().to_dict(), list(site.effects.done))
+    again = site.run(AUTO)
+    assert (site.incident().to_dict(), list(site.effects.done)) == before
+    assert again["state"] == "resolved"
+
+
+def _harness_args(tmp: Path, name: str, inject: list[str]) -> list[str]:
+    args = [
+        "--world-size",
+        "2",
+        "--nodes",
+        "node-0,node-1",
+        "--seed",
+        "3",
+        "--steps",
+        "16",
+        "--audit-every",
+        "5",
+        "--audit-mode",
+        "loss",
+        "--checkpoint-every",
+        "5",
+        "--checkpoint-dir",
+        str(tmp / f"{name}-ckpt"),
+        "--report",
+        str(tmp / f"{name}.json"),
+        "--trace",
+        str(tmp / f"{name}-trace.jsonl"),
+        "--job-id",
+        name,
+    ]
+    for spec in inject:
+        args += ["--inject", spec]
+    return args
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_real_replay_names_the_faulty_node_and_recovery_matches_a_clean_run(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
+) -> None:
+    """A real 2-rank job whose node-1 computes wrong from step 13 on, diagnosed by real
+    replays on real spares, replaced, resumed: the recovered weights equal a clean run's."""
+    jobs = LocalJobControl(tmp_path / "jobs", stop_timeout_s=5.0)
+    clean = JobRef("clean", kind=JobKind.LOCAL)
+    faulty = JobRef("faulty", kind=JobKind.LOCAL)
+    fault = "act-flip@node=node-1:from=13"
+    jobs.launch("clean", _harness_args(tmp_path, "clean", []), tmp_path / "clean.log")
+    jobs.launch("faulty", _harness_args(tmp_path, "faulty", [fault]), tmp_path / "faulty.log")
+    assert jobs.wait(clean, 120) is JobStatus.SUCCEEDED
+    assert jobs.wait(faulty, 120) is JobStatus.SUCCEEDED
+    report = json.loads((tmp_path / "faulty.json").read_text())
+    reference = json.loads((tmp_path / "clean.json").read_text())["final_fingerprint"]
+    assert report["final_fingerprint"] != reference
+
+    # what the webhook would have recorded from the job
+    names = ["node-0", "node-1", "node-2", "node-3"]
+    cluster_name = f"sdc-{uuid.uuid4().hex[:8]}"
+    ids = dict(zip(names, create_demo_cluster(local_aws, cluster_name, 4), strict=True))
+    cluster = LocalCluster.create(tmp_path / "cluster.json", names[:2], names[2:], ids)
+    ledger = sqlite_ledger
+    ledger.register_ranks("faulty", [RankIn(0, 0, "node-0"), RankIn(1, 0, "node-1")])
+    for checkpoint in report["checkpoints"]:
+        ledger.record_checkpoint(
+            "faulty",
+            checkpoint["step"],
+            checkpoint["uri"],
+            checkpoint["sha256"],
+            checkpoint["fingerprint"],
+            ["node-0", "node-1"],
+        )
+        if checkpoint["status"] == "verified":
+            ledger.record_audit("faulty", checkpoint["step"], "loss", [0, 1], True)
+    (alarm,) = report["alarms"]
+    opened = ledger.record_alarm(
+        AlarmIn(
+            alarm_id=str(uuid.uuid4()),
+            job_id="faulty",
+            step=alarm["step"],
+            rank=0,
+            node="node-0",
+            layer=alarm["layer"],
+            phase=alarm["phase"],
+            suspect_ranks=alarm["suspect_ranks"],
+            suspect_nodes=alarm["suspect_nodes"],
+            detail=alarm["detail"],
+            sent_at=datetime.now(UTC),
+        )
+    )
+    client = sagemaker_client(
+        local_aws.region, local_aws.endpoint_url, max_attempts=1, session=local_aws.session()
+    )
+    backends = Backends(
+        ledger=ledger,
+        nodes=LocalNodeOps(cluster),
+        jobs=jobs,
+        telemetry=FixtureTelemetry(packaged_fixture_root()),
+        replay=LocalReplayRunner(tmp_path / "replays", timeout_s=120),
+        hyperpod=HyperPod(client, cluster_name, poll_interval_s=0.01, wait_timeout_s=30),
+        checkpoints=FileCheckpointStore(tmp_path / "store"),
+        directory=LocalNodeDirectory(cluster),
+        catalog=LocalJobCatalog(tmp_path / "jobs"),
+        description="real replay test",
+    )
+    # two nodes of a two-node job are all of it: let the storm guard through for this test
+    policy = FAST.model_copy(update={"storm_node_share": 1.0})
+    answer = {"decision": "approve", "approver": "carol", "reason": "replay names node-1"}
+    try:
+        with use_backends(backends), Approver(opened.incident_id, answer) as approver:
+            summary = incident_response(opened.incident_id, policy)
+        assert approver.error is None
+        assert summary["verdict"] == "hardware"
+        verdict = ledger.get_incident(opened.incident_id).evidence["verdict"]  # type: ignore[index]
+        assert verdict["node"] == "node-1"
+        assert verdict["first_step"] == 13
+        assert summary["suspect_range"] == [11, 15]
+        assert summary["resumed_from_step"] == 10
+        (replaced,) = summary["replaced"]
+        assert replaced["node"] == "node-1"
+        assert not cluster.node("node-0").unschedulable  # cleared by the replay
+        assert jobs.wait(faulty, 120) is JobStatus.SUCCEEDED
+        recovered = json.loads((tmp_path / "faulty.json").read_text())["final_fingerprint"]
+        assert recovered == reference
+    finally:
+        jobs.stop(faulty)
+
+
+class CrashingOnce:
+    """Wraps a telemetry collector or replay runner: the first call answers, then the process
+    dies — inside a stage that changes nothing outside, before the stage is recorded done."""
+
+    def __init__(self, inner: Any, method: str) -> None:
+        self.inner = inner
+        self.method = method
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self.inner, name)
+        if name != self.method:
+            return real
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            result = real(*args, **kwargs)
+            if self.calls == 1:
+                raise Crash(f"crash after {name}")
+            return result
+
+        return call
+
+
+@pytest.mark.parametrize(("backend", "method"), [("telemetry", "collect"), ("replay", "replay")])
+def test_a_crash_inside_a_read_only_stage_is_continued_by_a_rerun(
+    site: Site, backend: str, method: str
+) -> None:
+    wrapped = CrashingOnce(getattr(site.backends, backend), method)
+    changes: dict[str, Any] = {backend: wrapped}
+    site.backends = dataclasses.replace(site.backends, **changes)
+    with pytest.raises(Crash):
+        site.run(AUTO)
+    stage = "telemetry" if backend == "telemetry" else "replay"
+    stuck = next(a for a in site.incident().actions if a.key.endswith(f":stage:{stage}"))
+    assert stuck.status is ActionStatus.CLAIMED
+
+    summary = site.run(AUTO)
+    assert summary["state"] == "resolved"
+    assert wrapped.calls > 1
+    keys = _keys(site)
+    assert len(keys) == len(set(keys))
+    assert sorted(site.effects.done) == sorted(
+        [
+            ("stop", JOB),
+            ("cordon", FAULTY),
+            ("taint", FAULTY),
+            ("replace", "workers-2"),
+            ("resume", JOB),
+        ]
+    )
+
+
+def test_reboot_policy_reboots_in_place_uncordons_and_resumes_on_the_same_nodes(
+    site: Site,
+) -> None:
+    reboots_before = moto_hyperpod.call_count("BatchRebootClusterNodes")
+    summary = site.run(AUTO.model_copy(update={"action": NodeAction.REBOOT}))
+
+    assert summary["state"] == "resolved"
+    assert summary["replaced"] == []
+    assert summary["rebooted"] == [{"node": FAULTY, "instance_id": "workers-2"}]
+    assert moto_hyperpod.call_count("BatchRebootClusterNodes") - reboots_before == 1
+    node = site.cluster.node(FAULTY)
+    assert not node.unschedulable
+    assert node.instance_id == "workers-2"
+    assert ("uncordon", FAULTY) in site.effects.done
+    launch = site.job_record()["launches"][-1]
+    assert launch["args"][-2:] == ["--nodes", ",".join(NODES)]

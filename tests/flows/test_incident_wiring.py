@@ -1,0 +1,184 @@
+"""Wiring of the incident flow's backends, and the approval evidence: no Prefect needed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flows.approval import ApprovalDecision, Evidence, artifact_key, evidence_markdown
+from flows.policy import IncidentPolicy, storm_guard
+from flows.recovery_settings import AwsSettings, BackendMode, RecoverySettings
+from flows.wiring import (
+    Backends,
+    LocalJobCatalog,
+    build_backends,
+    current_backends,
+    plan_from_harness_args,
+    use_backends,
+)
+from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
+from recovery.checkpoints import FileCheckpointStore
+from recovery.cluster import LocalCluster
+from recovery.errors import PermanentError
+from recovery.jobs import JobKind, LocalJobControl
+from recovery.nodes import LocalNodeOps
+
+
+@pytest.fixture(scope="module")
+def local_aws() -> Iterator[LocalAws]:
+    with start_local_aws() as aws:
+        yield aws
+
+
+def _local_backends(tmp_path: Path, url: str, aws: LocalAws) -> Backends:
+    ids = create_demo_cluster(aws, "wiring", 3)
+    LocalCluster.create(
+        tmp_path / "cluster.json",
+        ["node-0", "node-1"],
+        ["node-2"],
+        dict(zip(["node-0", "node-1", "node-2"], ids, strict=True)),
+    )
+    return build_backends(
+        RecoverySettings(mode=BackendMode.LOCAL, state_dir=tmp_path),
+        database_url=url,
+        aws=AwsSettings(endpoint_url=aws.endpoint_url, hyperpod_cluster="wiring"),
+        aws_session=aws.session(),
+    )
+
+
+def test_local_settings_build_local_backends_that_reach_moto(
+    tmp_path: Path, sqlite_database_url: str, local_aws: LocalAws
+) -> None:
+    backends = _local_backends(tmp_path, sqlite_database_url, local_aws)
+    assert isinstance(backends.nodes, LocalNodeOps)
+    assert isinstance(backends.jobs, LocalJobControl)
+    assert isinstance(backends.checkpoints, FileCheckpointStore)
+    assert backends.directory.spares(["node-0"]) == ["node-2"]
+    assert len(backends.hyperpod.list_nodes()) == 3
+    assert backends.catalog.ref("job-1").kind is JobKind.LOCAL
+    assert "AWS mocked" in backends.description
+    backends.ledger.close()
+
+
+def test_local_mode_refuses_to_run_without_the_moto_endpoint(
+    tmp_path: Path, sqlite_database_url: str
+) -> None:
+    with pytest.raises(PermanentError, match="never talks to real AWS"):
+        build_backends(
+            RecoverySettings(mode=BackendMode.LOCAL, state_dir=tmp_path),
+            database_url=sqlite_database_url,
+            aws=AwsSettings(endpoint_url=None),
+        )
+
+
+def test_injected_backends_are_seen_by_every_thread_and_released(
+    tmp_path: Path, sqlite_database_url: str, local_aws: LocalAws
+) -> None:
+    backends = _local_backends(tmp_path, sqlite_database_url, local_aws)
+    seen: list[Backends] = []
+    with use_backends(backends):
+        worker = threading.Thread(target=lambda: seen.append(current_backends()))
+        worker.start()
+        worker.join()
+        assert current_backends() is backends
+    assert seen == [backends]
+
+    backends.ledger.close()
+
+
+def test_replay_plan_is_read_from_the_local_job_record(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(
+        '{"step": 0, "losses": [1.0, 1.0], "grad_fingerprints": [], "weight_fingerprint": "a"}\n'
+    )
+    jobs = LocalJobControl(tmp_path, command=["true"])
+    args = [
+        "--world-size",
+        "2",
+        "--seed",
+        "9",
+        "--threads",
+        "2",
+        "--audit-mode",
+        "gradient",
+        "--inject",
+        "act-flip@node=node-1:from=3",
+        "--inject",
+        "grad-nan@0:5",
+        "--trace",
+        str(trace),
+        "--steps",
+        "10",
+    ]
+    jobs.launch("job-1", args, tmp_path / "job.log")
+    plan = LocalJobCatalog(tmp_path).replay_plan("job-1")
+    assert plan == plan_from_harness_args(args)
+    assert (plan.spec.world_size, plan.spec.seed, plan.spec.threads) == (2, 9, 2)
+    assert plan.spec.audit_mode == "gradient"
+    assert plan.spec.persistent_faults() == ("act-flip@node=node-1:from=3",)
+    assert plan.reference is not None
+    assert [r.step for r in plan.reference] == [0]
+    with pytest.raises(PermanentError):
+        LocalJobCatalog(tmp_path).replay_plan("never-launched")
+
+
+def test_the_approval_form_needs_a_decision_an_approver_and_a_reason() -> None:
+    with pytest.raises(ValueError, match="decision"):
+        ApprovalDecision.model_validate({"approver": "a", "reason": "r"})
+    with pytest.raises(ValueError, match="approver"):
+        ApprovalDecision.model_validate({"decision": "approve", "approver": "", "reason": "r"})
+    form = ApprovalDecision.model_validate({"decision": "reject", "approver": "a", "reason": "r"})
+    assert form.uncordon_on_reject is False
+
+
+def test_evidence_shows_what_an_approver_needs() -> None:
+    from datetime import UTC, datetime
+
+    storm = storm_guard(
+        implicated=["node-2"],
+        job_nodes=["node-0", "node-1", "node-2", "node-3"],
+        recent=[],
+        now=datetime.now(UTC),
+        policy=IncidentPolicy(),
+    )
+    text = evidence_markdown(
+        Evidence(
+            incident_id="0f3e",
+            job_id="job-1",
+            suspect_nodes=["node-2"],
+            suspect_range=(31, 37),
+            verdict={
+                "verdict": "hardware",
+                "node": "node-2",
+                "first_step": 33,
+                "submodule": "blocks.1.mlp",
+                "op_kind": "linear",
+                "reason": "the mismatch follows node-2",
+                "detail": {"replays": {"node-4": {"steps": 7, "final_weight_fingerprint": "ab"}}},
+            },
+            telemetry={"node-2": {"health": "healthy", "reasons": []}, "node-3": {"error": "x|y"}},
+            storm=storm,
+            auto_approval="auto-approval is off in the policy",
+            rollback_checkpoint_step=29,
+            alarm_count=1,
+            nodes_to_fix=["node-2"],
+            action="replace",
+        )
+    )
+    for part in (
+        "**hardware** on `node-2`",
+        "first differing step 33",
+        "`blocks.1.mlp` (linear)",
+        "| `node-4` | 7 |",
+        "**healthy**",
+        "not collected: x/y",
+        "steps 30..37",
+        "Replace `node-2`",
+        "no storm",
+        "auto-approval is off",
+    ):
+        assert part in text
+    assert artifact_key("0F3E:a_b", "evidence") == "incident-0f3e-a-b-evidence"

@@ -1,0 +1,177 @@
+"""The storm guard and the auto-approval rule: pure functions of ledger facts."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from pydantic import ValidationError
+
+from flows.policy import (
+    AlarmEvidence,
+    IncidentPolicy,
+    NodeAction,
+    StormCheck,
+    auto_approval,
+    storm_guard,
+)
+
+NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
+JOB_NODES = [f"node-{i}" for i in range(8)]
+
+
+def _storm(
+    implicated: list[str],
+    recent: list[tuple[str, datetime]] | None = None,
+    policy: IncidentPolicy | None = None,
+    job_nodes: list[str] = JOB_NODES,
+) -> StormCheck:
+    return storm_guard(
+        implicated=implicated,
+        job_nodes=job_nodes,
+        recent=recent or [],
+        now=NOW,
+        policy=policy or IncidentPolicy(),
+    )
+
+
+def _alarm(layer: str, nodes: tuple[str, ...], **detail: object) -> AlarmEvidence:
+    return AlarmEvidence(layer=layer, suspect_nodes=nodes, at=NOW, detail=detail)
+
+
+def test_policy_defaults_are_the_safe_ones() -> None:
+    policy = IncidentPolicy()
+    assert policy.action is NodeAction.REPLACE
+    assert policy.auto_approve is False
+    assert policy.storm_node_share == 0.25
+    assert policy.uncordon_on_reject is False
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"storm_node_share": 0.0},
+        {"storm_node_share": 1.5},
+        {"approval_timeout_s": 0},
+        {"task_retries": -1},
+        {"storm_max_nodes_per_hour": 0},
+        {"surprise": 1},
+    ],
+)
+def test_policy_refuses_out_of_bounds_values(field: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        IncidentPolicy.model_validate(field)
+
+
+def test_retry_delays_back_off_exponentially() -> None:
+    assert IncidentPolicy(task_retries=3, retry_delay_s=0.5).retry_delays() == [0.5, 1.0, 2.0]
+    assert IncidentPolicy(task_retries=0).retry_delays() == []
+
+
+def test_one_node_of_eight_is_no_storm() -> None:
+    check = _storm(["node-2"])
+    assert not check.tripped
+    assert check.share == pytest.approx(1 / 8)
+
+
+def test_exactly_the_share_is_not_more_than_the_share() -> None:
+    assert not _storm(["node-1", "node-2"]).tripped  # 2/8 = 25 %, not more
+
+
+def test_more_than_a_quarter_of_the_job_is_a_storm() -> None:
+    check = _storm(["node-1", "node-2", "node-3"])
+    assert check.tripped
+    assert "3 of the job's 8 nodes" in check.reason
+    assert "software" in check.reason
+
+
+def test_too_many_nodes_in_the_window_is_a_storm_across_jobs() -> None:
+    recent = [(f"other-{i}", NOW - timedelta(minutes=10 * i)) for i in range(4)]
+    check = _storm(["node-0"], recent)
+    assert check.tripped
+    assert "5 distinct nodes" in check.reason
+
+
+def test_alarms_outside_the_window_do_not_count() -> None:
+    recent = [(f"other-{i}", NOW - timedelta(hours=2)) for i in range(10)]
+    assert not _storm(["node-0"], recent).tripped
+
+
+def test_a_job_without_registered_ranks_is_judged_by_the_hourly_count() -> None:
+    check = _storm(["node-0", "node-1"], job_nodes=[])
+    assert not check.tripped
+    assert check.share is None
+
+
+def test_auto_approval_is_off_by_default() -> None:
+    result = auto_approval(
+        policy=IncidentPolicy(),
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[_alarm("audit", ("node-2",))],
+        storm=_storm(["node-2"]),
+    )
+    assert not result.approved
+
+
+def test_auto_approval_takes_a_hardware_verdict_backed_by_a_ring_audit() -> None:
+    result = auto_approval(
+        policy=IncidentPolicy(auto_approve=True),
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[_alarm("audit", ("node-2",))],
+        storm=_storm(["node-2"]),
+    )
+    assert result.approved
+    assert "ring audit" in result.reason
+
+
+def test_auto_approval_takes_a_strict_majority_vote() -> None:
+    result = auto_approval(
+        policy=IncidentPolicy(auto_approve=True),
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[_alarm("fingerprint", ("node-2",), majority=True)],
+        storm=_storm(["node-2"]),
+    )
+    assert result.approved
+    assert "strict-majority" in result.reason
+
+
+@pytest.mark.parametrize(
+    ("verdict", "alarms"),
+    [
+        ("software", [_alarm("audit", ("node-2",))]),
+        ("inconclusive", [_alarm("audit", ("node-2",))]),
+        # two replicas: the vote names both, never which one
+        ("hardware", [_alarm("fingerprint", ("node-1", "node-2"))]),
+        ("hardware", [_alarm("fingerprint", ("node-2",), majority=False)]),
+        # a non-finite gradient names a rank but is no majority or audit
+        ("hardware", [_alarm("nonfinite", ("node-2",))]),
+        # the evidence names another node than the replay
+        ("hardware", [_alarm("audit", ("node-3",))]),
+    ],
+)
+def test_auto_approval_refuses_weaker_evidence(verdict: str, alarms: list[AlarmEvidence]) -> None:
+    result = auto_approval(
+        policy=IncidentPolicy(auto_approve=True),
+        verdict=verdict,
+        verdict_node="node-2" if verdict == "hardware" else None,
+        alarms=alarms,
+        storm=_storm(["node-2"]),
+    )
+    assert not result.approved
+    assert "refused" in result.reason
+
+
+def test_auto_approval_never_during_a_storm() -> None:
+    storm = _storm(["node-1", "node-2", "node-3"])
+    result = auto_approval(
+        policy=IncidentPolicy(auto_approve=True),
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[_alarm("audit", ("node-2",))],
+        storm=storm,
+    )
+    assert not result.approved
+    assert "storm" in result.reason

@@ -1,0 +1,119 @@
+"""End to end with the training side's real client: ``detection.sender.AlarmSender``.
+
+What a rank spools is what the webhook records — ranks, checkpoints, audits, alarms — and what
+the webhook refuses lands in the sender's ``dead/`` with the webhook's reason, not in the ledger.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+from db import Ledger
+from detection.alarm import Alarm, Layer, Phase
+from detection.identity import RankIdentity
+from detection.sender import AlarmSender
+from flows.serve import run_in_thread
+from flows.trigger import RecordingTrigger
+from flows.webhook import create_app, dispatcher_of
+from tests.flows.conftest import Webhook, row_counts
+
+JOB = "local-1234"
+NODES = ["node-0", "node-0", "node-1", "node-1"]
+
+
+def _identities() -> list[dict[str, object]]:
+    return [
+        RankIdentity(
+            rank=r,
+            local_rank=r % 2,
+            world_size=4,
+            node=NODES[r],
+            instance_id=f"i-{r // 2:017x}",
+            gpu_uuid=None,
+        ).to_dict()
+        for r in range(4)
+    ]
+
+
+def _dead_letters(spool: Path) -> list[dict[str, object]]:
+    return [json.loads(p.read_text()) for p in sorted((spool / "dead").glob("*.json"))]
+
+
+def test_a_job_reported_through_the_sender_is_in_the_ledger(
+    webhook: Webhook, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool"
+    alarm = Alarm.for_ranks(37, Layer.AUDIT, Phase.GRADIENT, [2], NODES, {"max_abs_diff": 12.5})
+
+    with AlarmSender(webhook.url, webhook.secret, JOB, spool) as sender:
+        sender.register_ranks(_identities())
+        sender.record_checkpoint(
+            {
+                "step": 30,
+                "uri": str(tmp_path / "ckpt-000030.pt"),
+                "sha256": "0f" * 32,
+                "fingerprint": "a1" * 16,
+                "nodes": ["node-0", "node-1"],
+            }
+        )
+        sender.record_audit({"step": 30, "kind": "loss", "ranks": [0, 1, 2, 3], "passed": True})
+        alarm_id = sender.send_alarm(alarm.to_webhook(JOB, alarm.reporting_rank(4), "node-0"))
+        assert sender.flush(30)
+
+    assert _dead_letters(spool) == []
+    assert sorted(webhook.ledger.rank_map(JOB)) == [0, 1, 2, 3]
+    (checkpoint,) = webhook.ledger.list_checkpoints(JOB)
+    assert (checkpoint.step, checkpoint.status) == (30, "verified")
+    (incident,) = webhook.ledger.list_incidents(JOB)
+    assert [a.alarm_id for a in incident.alarms] == [alarm_id]
+    assert incident.ranks_missing is False
+    assert incident.suspect_nodes == ["node-1"]
+    assert (incident.suspect_start, incident.suspect_end) == (31, 37)
+    assert dispatcher_of(webhook.app).wait_idle(10)
+    assert webhook.trigger.calls == [(incident.id, JOB)]
+
+
+def test_a_sender_with_the_wrong_secret_writes_nothing(webhook: Webhook, tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    alarm = Alarm.for_ranks(5, Layer.NONFINITE, Phase.PRE_ALLREDUCE, [1], NODES, {})
+    before = row_counts(webhook.ledger)
+
+    with AlarmSender(webhook.url, "a-different-secret-0123456789", JOB, spool) as sender:
+        sender.send_alarm(alarm.to_webhook(JOB, 0, "node-0"))
+        assert sender.flush(30)
+
+    (dead,) = _dead_letters(spool)
+    assert dead["status"] == 401
+    assert "signature does not match" in str(dead["reason"])
+    assert row_counts(webhook.ledger) == before
+
+
+def test_alarms_spooled_while_the_webhook_is_down_arrive_once_it_is_up(
+    ledger: Ledger, webhook_secret: str, tmp_path: Path
+) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    spool = tmp_path / "spool"
+    alarm = Alarm.for_ranks(
+        9, Layer.FINGERPRINT, Phase.WEIGHTS, [3], NODES, {"votes": [1, 1, 1, 0]}
+    )
+
+    sender = AlarmSender(f"http://127.0.0.1:{port}", webhook_secret, JOB, spool, timeout_s=2)
+    try:
+        alarm_id = sender.send_alarm(alarm.to_webhook(JOB, 0, "node-0"))
+        assert not sender.flush(0.5), "nothing listens yet: the alarm must stay spooled"
+
+        trigger = RecordingTrigger()
+        with run_in_thread(create_app(ledger, trigger, webhook_secret), port=port):
+            assert sender.flush(30)
+            assert trigger.wait_for(1, timeout=10)
+    finally:
+        sender.close()
+
+    (incident,) = ledger.list_incidents(JOB)
+    assert [a.alarm_id for a in incident.alarms] == [alarm_id]
+    assert incident.ranks_missing is True
+    assert trigger.calls == [(incident.id, JOB)]
