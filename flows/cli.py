@@ -1,4 +1,4 @@
-"""The ``sdcguard`` command line (Typer). Each command is a thin shell over a module that owns the work."""
+"""The ``sdcguard`` command line (Typer): thin shells over the modules that do the work."""
 
 from __future__ import annotations
 
