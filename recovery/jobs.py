@@ -618,25 +618,57 @@ _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 _CHILDREN_LOCK = threading.Lock()
 
 
-def resume_args(args: Sequence[str], checkpoint_uri: str, nodes: Sequence[str] | None) -> list[str]:
+_OUTPUT_OPTIONS = ("--report", "--trace", "--probe")
+
+
+def resume_args(
+    args: Sequence[str],
+    checkpoint_uri: str,
+    nodes: Sequence[str] | None,
+    *,
+    output_tag: str | None = None,
+) -> list[str]:
     """``args`` without any ``--resume-from``/``--nodes`` (both ``--opt v`` and ``--opt=v``
-    forms), plus ``--resume-from <checkpoint_uri>`` and, given ``nodes``, ``--nodes a,b,c``."""
+    forms), plus ``--resume-from <checkpoint_uri>`` and, given ``nodes``, ``--nodes a,b,c``.
+
+    With ``output_tag``, the run's output files (``--report``, ``--trace``, ``--probe``) get the
+    tag before their suffix (``report.json`` → ``report.<tag>.json``): a resumed run must never
+    overwrite the report and trace of the run it recovers from — they are the incident's
+    evidence.
+    """
     stripped: list[str] = []
     skip_next = False
+    retag = False
     for arg in args:
         if skip_next:
             skip_next = False
+            continue
+        if retag:
+            retag = False
+            stripped.append(_tagged(arg, output_tag))
             continue
         if arg in ("--resume-from", "--nodes"):
             skip_next = True
             continue
         if arg.startswith(("--resume-from=", "--nodes=")):
             continue
+        if output_tag and arg in _OUTPUT_OPTIONS:
+            retag = True
+        elif output_tag and arg.startswith(tuple(f"{o}=" for o in _OUTPUT_OPTIONS)):
+            option, _, value = arg.partition("=")
+            arg = f"{option}={_tagged(value, output_tag)}"
         stripped.append(arg)
     stripped += ["--resume-from", checkpoint_uri]
     if nodes is not None:
         stripped += ["--nodes", ",".join(nodes)]
     return stripped
+
+
+def _tagged(path: str, tag: str | None) -> str:
+    if not tag:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{tag}{p.suffix}"))
 
 
 class LocalJobControl:
@@ -768,7 +800,9 @@ class LocalJobControl:
         pinned = tuple(nodes) if nodes is not None else None
         with self._job_lock(job_id):
             record = self._require(job_id, "resume")
-            wanted = resume_args(record["original_args"], checkpoint_uri, nodes)
+            wanted = resume_args(
+                record["original_args"], checkpoint_uri, nodes, output_tag=f"resumed-{step}"
+            )
             last = record["launches"][-1]
             if self._alive(last):
                 if last["args"] == wanted:

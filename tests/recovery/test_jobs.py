@@ -436,6 +436,19 @@ def test_resume_args_replace_resume_and_nodes() -> None:
     ]
 
 
+def test_resume_args_keep_the_original_run_outputs() -> None:
+    args = ["--report", "/runs/report.json", "--trace=/runs/trace.jsonl", "--steps", "9"]
+    assert resume_args(args, "/c.pt", None, output_tag="resumed-4") == [
+        "--report",
+        "/runs/report.resumed-4.json",
+        "--trace=/runs/trace.resumed-4.jsonl",
+        "--steps",
+        "9",
+        "--resume-from",
+        "/c.pt",
+    ]
+
+
 def test_local_launch_stop_resume(rig: LocalRig) -> None:
     control = rig.control
     pid = control.launch("local-7", ARGS, rig.log)
@@ -461,7 +474,9 @@ def test_local_launch_stop_resume(rig: LocalRig) -> None:
     assert resumed.pid is not None
     assert resumed.pid != pid
     second = rig.started(resumed.pid)
-    assert second["args"] == resume_args(ARGS, "/ckpt/ckpt-000030.pt", ["node-0", "node-6"])
+    assert second["args"] == resume_args(
+        ARGS, "/ckpt/ckpt-000030.pt", ["node-0", "node-6"], output_tag="resumed-30"
+    )
     assert control.status(LJOB) is JobStatus.RUNNING
 
     again = control.resume(LJOB, "/ckpt/ckpt-000030.pt", 30, ["node-0", "node-6"])
