@@ -176,6 +176,53 @@ def replay_incident(
         report.write_text(json.dumps(result.summary, indent=2))
 
 
+@app.command()
+def demo(
+    fault: Annotated[
+        str, typer.Option(help="Fault kind of the faulty node's hardware.")
+    ] = "act-flip",
+    faulty_node: Annotated[
+        str, typer.Option(help="The node whose hardware turns faulty.")
+    ] = "node-2",
+    approve_in_ui: Annotated[
+        bool, typer.Option(help="Wait for a human to approve in the Prefect UI (prints the link).")
+    ] = False,
+    report: Annotated[Path | None, typer.Option(help="Write the report JSON here.")] = None,
+    workdir: Annotated[Path, typer.Option(help="Where the demo keeps its state.")] = Path(
+        ".sdcguard/demo"
+    ),
+    steps: Annotated[int, typer.Option(min=10, help="Training steps of each run.")] = 30,
+    fault_step: Annotated[int, typer.Option(min=1, help="First faulty step.")] = 17,
+) -> None:
+    """The whole incident end to end on this machine, with proof that recovery was exact."""
+    import contextlib
+    import os
+
+    from flows.demo import DemoConfig, DemoError, run_demo
+
+    config = DemoConfig(
+        fault=fault,
+        faulty_node=faulty_node,
+        approve_in_ui=approve_in_ui,
+        report=report,
+        workdir=workdir,
+        steps=steps,
+        fault_step=fault_step,
+    )
+    with contextlib.ExitStack() as stack:
+        if approve_in_ui and not os.environ.get("PREFECT_API_URL"):
+            from flows.prefect_server import local_prefect_server
+
+            typer.echo("starting a local Prefect server with its UI ...")
+            api_url = stack.enter_context(local_prefect_server(workdir.resolve() / "prefect"))
+            os.environ["PREFECT_API_URL"] = api_url
+        try:
+            run_demo(config)
+        except DemoError as err:
+            typer.secho(f"demo failed: {err}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from err
+
+
 @db_app.command("upgrade")
 def db_upgrade(
     database_url: Annotated[str | None, typer.Option(help=_DATABASE_URL_HELP)] = None,

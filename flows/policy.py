@@ -40,6 +40,8 @@ __all__ = [
 # Alarm layers whose evidence can name a single node (DESIGN, "What each detection layer can see").
 _MAJORITY_LAYER = "fingerprint"
 _AUDIT_LAYER = "audit"
+_NONFINITE_LAYER = "nonfinite"
+_PRE_ALLREDUCE = "pre-allreduce"
 _HARDWARE = "hardware"
 
 
@@ -138,6 +140,7 @@ class AlarmEvidence:
     suspect_nodes: tuple[str, ...]
     at: datetime
     detail: Mapping[str, Any]
+    phase: str = ""
 
 
 @dataclass(frozen=True)
@@ -246,12 +249,15 @@ def auto_approval(
     if not backing:
         return AutoApproval(
             False,
-            f"auto-approval refused: no strict-majority vote or ring audit names only "
-            f"{verdict_node}",
+            f"auto-approval refused: no strict-majority vote, ring audit or pre-all-reduce "
+            f"non-finite check names only {verdict_node}",
         )
-    kinds = sorted(
-        {"strict-majority vote" if a.layer == _MAJORITY_LAYER else "ring audit" for a in backing}
-    )
+    names = {
+        _MAJORITY_LAYER: "strict-majority vote",
+        _AUDIT_LAYER: "ring audit",
+        _NONFINITE_LAYER: "non-finite local gradient before all-reduce",
+    }
+    kinds = sorted({names[a.layer] for a in backing})
     return AutoApproval(
         True,
         f"auto-approved by policy: hardware verdict on {verdict_node}, backed by "
@@ -260,9 +266,14 @@ def auto_approval(
 
 
 def _names_exactly(alarm: AlarmEvidence, node: str) -> bool:
-    """A vote or audit alarm that names exactly ``node``; a vote must not deny its majority."""
+    """An alarm whose attribution is direct and names exactly ``node``: a ring audit, a
+    strict-majority vote (which must not deny its majority), or a non-finite check *before*
+    all-reduce — the rank's own local gradient was NaN/Inf, so no other rank produced it. A
+    non-finite check after all-reduce names nobody: every replica sees the same sum."""
     if alarm.suspect_nodes != (node,):
         return False
     if alarm.layer == _AUDIT_LAYER:
         return True
+    if alarm.layer == _NONFINITE_LAYER:
+        return alarm.phase == _PRE_ALLREDUCE
     return alarm.layer == _MAJORITY_LAYER and alarm.detail.get("majority", True) is not False

@@ -52,9 +52,11 @@ def make_trigger(mode: TriggerMode) -> IncidentTrigger:
     if mode is TriggerMode.PREFECT:
         return PrefectTrigger(load_settings(PrefectTriggerSettings).deployment)
     if mode is TriggerMode.LOCAL:
-        from flows.incident import incident_response
+        # ``respond`` returns the ledger's summary whatever the outcome (an expired pause is a
+        # failed Prefect run); the flow records its own failures in the ledger.
+        from flows.incident import respond
 
-        return LocalTrigger(incident_response)
+        return LocalTrigger(respond)
     return NoTrigger()
 
 

@@ -503,6 +503,7 @@ def _alarm_evidence(incident: IncidentView) -> list[AlarmEvidence]:
             suspect_nodes=tuple(a.suspect_nodes),
             at=a.received_at,
             detail=a.detail,
+            phase=a.phase,
         )
         for a in incident.alarms
     ]

@@ -86,6 +86,8 @@ class LocalAws:
 def start_local_aws(port: int = 0, *, region: str = "us-east-1") -> LocalAws:
     """Start moto on 127.0.0.1 (``port`` 0: any free port) with the HyperPod extension."""
     moto_hyperpod.install()
+    # The mocked AWS's per-request access log (werkzeug) is noise beside the demo's own output.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     host, bound_port = server.get_host_and_port()

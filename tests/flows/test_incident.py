@@ -744,7 +744,10 @@ def test_real_replay_names_the_faulty_node_and_recovery_matches_a_clean_run(
         assert replaced["node"] == "node-1"
         assert not cluster.node("node-0").unschedulable  # cleared by the replay
         assert jobs.wait(faulty, 120) is JobStatus.SUCCEEDED
-        recovered = json.loads((tmp_path / "faulty.json").read_text())["final_fingerprint"]
+        # the resumed run reports beside the faulty run's report, never over it
+        resumed = tmp_path / f"faulty.resumed-{summary['resumed_from_step']}.json"
+        assert json.loads((tmp_path / "faulty.json").read_text()) == report
+        recovered = json.loads(resumed.read_text())["final_fingerprint"]
         assert recovered == reference
     finally:
         jobs.stop(faulty)

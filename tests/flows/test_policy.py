@@ -35,8 +35,8 @@ def _storm(
     )
 
 
-def _alarm(layer: str, nodes: tuple[str, ...], **detail: object) -> AlarmEvidence:
-    return AlarmEvidence(layer=layer, suspect_nodes=nodes, at=NOW, detail=detail)
+def _alarm(layer: str, nodes: tuple[str, ...], phase: str = "", **detail: object) -> AlarmEvidence:
+    return AlarmEvidence(layer=layer, suspect_nodes=nodes, at=NOW, detail=detail, phase=phase)
 
 
 def test_policy_defaults_are_the_safe_ones() -> None:
@@ -138,6 +138,18 @@ def test_auto_approval_takes_a_strict_majority_vote() -> None:
     assert "strict-majority" in result.reason
 
 
+def test_auto_approval_takes_a_non_finite_local_gradient_named_before_all_reduce() -> None:
+    result = auto_approval(
+        policy=IncidentPolicy(auto_approve=True),
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[_alarm("nonfinite", ("node-2",), phase="pre-allreduce")],
+        storm=_storm(["node-2"]),
+    )
+    assert result.approved
+    assert "before all-reduce" in result.reason
+
+
 @pytest.mark.parametrize(
     ("verdict", "alarms"),
     [
@@ -146,8 +158,8 @@ def test_auto_approval_takes_a_strict_majority_vote() -> None:
         # two replicas: the vote names both, never which one
         ("hardware", [_alarm("fingerprint", ("node-1", "node-2"))]),
         ("hardware", [_alarm("fingerprint", ("node-2",), majority=False)]),
-        # a non-finite gradient names a rank but is no majority or audit
-        ("hardware", [_alarm("nonfinite", ("node-2",))]),
+        # after all-reduce every replica holds the same non-finite sum: it names nobody
+        ("hardware", [_alarm("nonfinite", ("node-2",), phase="post-allreduce")]),
         # the evidence names another node than the replay
         ("hardware", [_alarm("audit", ("node-3",))]),
     ],

@@ -1,0 +1,377 @@
+"""Fault injection exactly as DESIGN's fault spec, for tests, demos and diagnostic replays.
+
+Two forms:
+
+* ``KIND@RANK:STEP[:BIT]`` — one transient fault in rank ``RANK``'s own computation at step
+  ``STEP`` (never in a replay that rank runs for a partner: a transient upset does not repeat).
+* ``KIND@node=NAME[:from=STEP]`` — a persistent fault of node ``NAME``: every process on that
+  node suffers it at every step from ``STEP`` (default 0), audit replays included.
+
+``act-flip`` takes a ``/MODULE`` suffix (a qualified submodule name such as ``blocks.0.mlp``);
+without it the target is the model's last ``nn.Linear`` in registration order, whose output
+always reaches the loss.
+
+Which element flips (deterministic, so a run can be replayed): element
+``(step * 7919) mod n`` of the flattened target, where the target is, per kind,
+
+* ``grad-nan``, ``grad-flip`` — the rank's local gradient, all parameters concatenated in
+  ``module.parameters()`` order (before all-reduce; in a replay, the recomputed ``.grad``);
+* ``reduced-flip`` — the same element of the rank's gradient after all-reduce;
+* ``act-flip`` — the target module's output (its first tensor when it returns several);
+* ``weight-flip`` — all parameters concatenated in ``module.parameters()`` order;
+* ``optim-flip`` — the optimizer's floating-point state tensors of rank ≥ 1, in parameter order
+  and, per parameter, in sorted state-key order (Adam: ``exp_avg`` then ``exp_avg_sq``).
+
+``BIT`` counts in a float32 word (default 30, the top exponent bit). For other widths the same
+position relative to the sign bit is flipped (bit 30 → bit 14 of bfloat16/float16, bit 62 of
+float64); a bit that does not exist in the dtype is a :class:`FaultInjectionError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import nn
+
+from detection.vote import optimizer_state_tensors
+
+__all__ = [
+    "DEFAULT_BIT",
+    "FaultInjectionError",
+    "FaultInjector",
+    "FaultKind",
+    "FaultSpec",
+    "FaultSpecError",
+    "element_index",
+    "flip_bit_",
+]
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_BIT = 30
+_STRIDE = 7919
+_ONE_SHOT = re.compile(r"^(?P<rank>\d+):(?P<step>\d+)(?::(?P<bit>\d+))?$")
+_PERSISTENT = re.compile(r"^node=(?P<node>[^:/\s]+)(?::from=(?P<step>\d+))?$")
+
+
+class FaultKind(StrEnum):
+    """Where the bit flips (DESIGN fault table)."""
+
+    GRAD_NAN = "grad-nan"
+    GRAD_FLIP = "grad-flip"
+    REDUCED_FLIP = "reduced-flip"
+    ACT_FLIP = "act-flip"
+    WEIGHT_FLIP = "weight-flip"
+    OPTIM_FLIP = "optim-flip"
+
+
+class FaultSpecError(ValueError):
+    """A ``--inject`` spec is malformed; the message quotes it and says what is wrong."""
+
+
+class FaultInjectionError(RuntimeError):
+    """A well-formed spec cannot be applied to this model (no such module, no such bit)."""
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One parsed ``--inject`` spec. Exactly one of ``rank`` (transient) and ``node``
+    (persistent) is set; ``step`` is the transient step or the first persistent step."""
+
+    kind: FaultKind
+    step: int
+    rank: int | None = None
+    node: str | None = None
+    bit: int = DEFAULT_BIT
+    module: str | None = None
+
+    @property
+    def persistent(self) -> bool:
+        return self.node is not None
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        """Parse one spec; raise :class:`FaultSpecError` naming the problem."""
+        spec = text.strip()
+        kind_text, at, target = spec.partition("@")
+        if not at:
+            raise FaultSpecError(
+                f"fault spec {text!r}: expected KIND@RANK:STEP[:BIT] or KIND@node=NAME[:from=STEP]"
+            )
+        try:
+            kind = FaultKind(kind_text)
+        except ValueError:
+            kinds = ", ".join(k.value for k in FaultKind)
+            raise FaultSpecError(
+                f"fault spec {text!r}: unknown kind {kind_text!r} (one of {kinds})"
+            ) from None
+        target, slash, module = target.partition("/")
+        if slash:
+            if kind is not FaultKind.ACT_FLIP:
+                raise FaultSpecError(f"fault spec {text!r}: only act-flip takes a /MODULE suffix")
+            if not re.fullmatch(r"[A-Za-z0-9_.]+", module):
+                raise FaultSpecError(
+                    f"fault spec {text!r}: /MODULE must be a qualified name such as blocks.0.mlp"
+                )
+        one_shot = _ONE_SHOT.match(target)
+        if one_shot:
+            bit = int(one_shot["bit"]) if one_shot["bit"] is not None else DEFAULT_BIT
+            if not 0 <= bit <= 31:
+                raise FaultSpecError(f"fault spec {text!r}: BIT must lie in 0..31, got {bit}")
+            return cls(
+                kind=kind,
+                rank=int(one_shot["rank"]),
+                step=int(one_shot["step"]),
+                bit=bit,
+                module=module or None,
+            )
+        persistent = _PERSISTENT.match(target)
+        if persistent:
+            step = int(persistent["step"]) if persistent["step"] is not None else 0
+            return cls(kind=kind, node=persistent["node"], step=step, module=module or None)
+        raise FaultSpecError(
+            f"fault spec {text!r}: target {target!r} is neither RANK:STEP[:BIT] "
+            "nor node=NAME[:from=STEP]"
+        )
+
+    def applies(self, *, rank: int, node: str, step: int, replay: bool) -> bool:
+        """Whether this fault strikes that rank's computation at ``step``.
+
+        A replay is a recomputation a rank runs for its audit partner: only the node's
+        persistent faults reach it.
+        """
+        if self.node is not None:
+            return node == self.node and step >= self.step
+        return not replay and rank == self.rank and step == self.step
+
+    def __str__(self) -> str:
+        where = (
+            f"node={self.node}:from={self.step}"
+            if self.node is not None
+            else f"{self.rank}:{self.step}:{self.bit}"
+        )
+        suffix = f"/{self.module}" if self.module else ""
+        return f"{self.kind}@{where}{suffix}"
+
+
+def element_index(step: int, numel: int) -> int:
+    """The flat index that flips at ``step`` in a target of ``numel`` elements."""
+    if numel <= 0:
+        raise FaultInjectionError("cannot inject into an empty tensor")
+    return (step * _STRIDE) % numel
+
+
+def flip_bit_(flat: torch.Tensor, index: int, bit: int) -> None:
+    """Flip ``bit`` (float32 numbering) of ``flat[index]`` in place, on the tensor's device and
+    without a host synchronisation. ``flat`` must be a contiguous floating-point tensor."""
+    if not flat.is_floating_point():
+        raise FaultInjectionError(f"cannot flip a bit of a {flat.dtype} tensor")
+    if not flat.is_contiguous():
+        raise FaultInjectionError("cannot flip a bit of a non-contiguous tensor in place")
+    width = flat.element_size() * 8
+    local_bit = bit + width - 32
+    if not 0 <= local_bit < width:
+        raise FaultInjectionError(f"bit {bit} has no counterpart in {flat.dtype}")
+    word = {16: torch.int16, 32: torch.int32, 64: torch.int64}[width]
+    mask = -(1 << local_bit) if local_bit == width - 1 else 1 << local_bit
+    with torch.no_grad():
+        cell = flat.detach().reshape(-1)[index : index + 1]
+        cell.view(word).bitwise_xor_(mask)
+
+
+def _set_nan_(flat: torch.Tensor, index: int) -> None:
+    if not flat.is_contiguous():
+        raise FaultInjectionError("cannot write a NaN into a non-contiguous tensor in place")
+    with torch.no_grad():
+        flat.detach().reshape(-1)[index : index + 1].fill_(float("nan"))
+
+
+class _FlatMap:
+    """Maps a flat index over a concatenation of tensors to (tensor position, offset)."""
+
+    def __init__(self, numels: Sequence[int]) -> None:
+        self.numels = list(numels)
+        self.total = sum(self.numels)
+
+    def locate(self, flat: int) -> tuple[int, int]:
+        for position, n in enumerate(self.numels):
+            if flat < n:
+                return position, flat
+            flat -= n
+        raise FaultInjectionError(f"flat index {flat} beyond {self.total} elements")
+
+
+class FaultInjector:
+    """Applies the specs that strike this rank, at the points the guard calls it from.
+
+    The guard brackets each step with :meth:`begin_step`/:meth:`end_step` and each partner
+    recomputation with :meth:`replaying`, so a fault knows its step and whether it is a replay.
+    Outside a step nothing is injected.
+    """
+
+    def __init__(self, specs: Sequence[FaultSpec], *, rank: int, node: str) -> None:
+        self.specs = tuple(specs)
+        self.rank = rank
+        self.node = node
+        self._step: int | None = None
+        self._replay = False
+        self._params: list[torch.Tensor] = []
+        self._grad_map = _FlatMap([])
+        self._handles: list[Any] = []
+        self.injected: list[tuple[int, str, bool]] = []  # (step, spec, replay) — evidence for tests
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def bind(self, module: nn.Module) -> None:
+        """Resolve targets on ``module`` (the unwrapped model) and install the act-flip hook."""
+        self._params = list(module.parameters())
+        self._grad_map = _FlatMap([p.numel() for p in self._params])
+        for target_name in {s.module or "" for s in self.specs if s.kind is FaultKind.ACT_FLIP}:
+            target = self._resolve_module(module, target_name)
+            handle = target.register_forward_hook(self._make_act_hook(target_name))
+            self._handles.append(handle)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def begin_step(self, step: int) -> None:
+        self._step = step
+        self._replay = False
+
+    def end_step(self) -> None:
+        self._step = None
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Mark a partner recomputation: only persistent faults of this node apply inside."""
+        previous = self._replay
+        self._replay = True
+        try:
+            yield
+        finally:
+            self._replay = previous
+
+    # -- queries ---------------------------------------------------------------------------------
+    def any_active(self) -> bool:
+        """Whether any fault strikes this rank's own computation in the current step."""
+        return self._step is not None and any(self._active_specs())
+
+    def _active_specs(self, *kinds: FaultKind) -> Iterator[FaultSpec]:
+        if self._step is None:
+            return
+        for spec in self.specs:
+            if kinds and spec.kind not in kinds:
+                continue
+            if spec.applies(rank=self.rank, node=self.node, step=self._step, replay=self._replay):
+                yield spec
+
+    # -- injection points ------------------------------------------------------------------------
+    def on_local_gradient(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """``grads``: (parameter position, gradient view) pairs of the rank's local gradient —
+        a DDP bucket before all-reduce, or the recomputed ``.grad`` of a replay."""
+        for spec in self._active_specs(FaultKind.GRAD_NAN, FaultKind.GRAD_FLIP):
+            self._inject_gradient(spec, grads)
+
+    def on_reduced_gradient(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Same pairs, over the rank's gradient after all-reduce, before ``optimizer.step``."""
+        if self._replay:
+            return
+        for spec in self._active_specs(FaultKind.REDUCED_FLIP):
+            self._inject_gradient(spec, grads)
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Weight and optimizer-state faults, right after ``optimizer.step``."""
+        if self._replay or self._step is None:
+            return
+        step = self._step
+        for spec in self._active_specs(FaultKind.WEIGHT_FLIP, FaultKind.OPTIM_FLIP):
+            targets = (
+                self._params
+                if spec.kind is FaultKind.WEIGHT_FLIP
+                else [
+                    t
+                    for t in optimizer_state_tensors(optimizer, self._params)
+                    if t.is_floating_point()
+                ]
+            )
+            if not targets:
+                raise FaultInjectionError(f"{spec}: no {spec.kind} target tensors on this rank")
+            flat_map = _FlatMap([t.numel() for t in targets])
+            position, offset = flat_map.locate(element_index(step, flat_map.total))
+            flip_bit_(targets[position].data.reshape(-1), offset, spec.bit)
+            self._record(spec, f"tensor {position} element {offset}")
+
+    # -- internals ---------------------------------------------------------------------------------
+    def _inject_gradient(self, spec: FaultSpec, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
+        assert self._step is not None
+        position, offset = self._grad_map.locate(element_index(self._step, self._grad_map.total))
+        for index, grad in grads:
+            if index == position:
+                flat = grad.reshape(-1)
+                if spec.kind is FaultKind.GRAD_NAN:
+                    _set_nan_(flat, offset)
+                else:
+                    flip_bit_(flat, offset, spec.bit)
+                self._record(spec, f"parameter {position} element {offset}")
+
+    def _make_act_hook(self, target_name: str) -> Any:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> Any:
+            specs = [
+                s for s in self._active_specs(FaultKind.ACT_FLIP) if (s.module or "") == target_name
+            ]
+            if not specs:
+                return None
+            return self._flip_output(output, specs)
+
+        return hook
+
+    def _flip_output(self, output: Any, specs: Sequence[FaultSpec]) -> Any:
+        assert self._step is not None
+        if isinstance(output, torch.Tensor):
+            # A fresh tensor, so no autograd node that saved the original output sees a change.
+            flipped = output.clone(memory_format=torch.contiguous_format)
+            for spec in specs:
+                flip_bit_(flipped, element_index(self._step, flipped.numel()), spec.bit)
+                self._record(spec, "output")
+            return flipped
+        if isinstance(output, tuple | list):
+            items = list(output)
+            for i, item in enumerate(items):
+                if isinstance(item, torch.Tensor) and item.is_floating_point():
+                    items[i] = self._flip_output(item, specs)
+                    return type(output)(items)
+        raise FaultInjectionError("act-flip target returned no floating-point tensor")
+
+    def _resolve_module(self, module: nn.Module, name: str) -> nn.Module:
+        if name:
+            try:
+                return module.get_submodule(name)
+            except AttributeError as err:
+                raise FaultInjectionError(f"act-flip: the model has no submodule {name!r}") from err
+        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        if not linears:
+            raise FaultInjectionError("act-flip: the model has no nn.Linear; name a /MODULE")
+        return linears[-1]
+
+    def _record(self, spec: FaultSpec, where: str) -> None:
+        assert self._step is not None
+        self.injected.append((self._step, str(spec), self._replay))
+        _log.info(
+            "injected %s at %s",
+            spec,
+            where,
+            extra={
+                "rank": self.rank,
+                "node": self.node,
+                "step": self._step,
+                "replay": self._replay,
+            },
+        )

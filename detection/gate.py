@@ -1,0 +1,337 @@
+"""Checkpoint gate: a checkpoint is trusted only on evidence gathered after it was taken.
+
+A checksum of a checkpoint file proves only that the bytes were stored faithfully — including
+wrong weights. So every checkpoint is written ``pending`` and becomes ``verified`` only when a
+ring audit at or after its step passed with no alarm in between (DESIGN, checkpoint provenance).
+A job without ring audits (``audit_every=0``) may count a passed fingerprint vote instead; the
+record's ``evidence`` then says it is the weaker kind: a vote shows the replicas agree, not that
+what they agree on was computed right.
+
+After an alarm the gate closes: every pending checkpoint is quarantined, checkpoints written
+later are quarantined at once, nothing becomes verified, and :meth:`CheckpointGate.publish`
+refuses with :class:`GateClosedError` until :meth:`CheckpointGate.reopen` after recovery.
+
+Provenance goes to the ledger in an order that lets it draw the same conclusions: a checkpoint is
+posted before the audit that verifies it (an audit at step s is held back until checkpoint s,
+if one is due, has been posted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+from detection.alarm import Alarm
+from detection.audit import AuditMode
+from detection.fingerprint import Fingerprint
+
+__all__ = [
+    "CheckpointGate",
+    "CheckpointNotVerifiedError",
+    "CheckpointRecord",
+    "CheckpointStatus",
+    "GateClosedError",
+    "GateError",
+    "ProvenanceSink",
+    "StepOutcome",
+    "checkpoint_path",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class CheckpointStatus(StrEnum):
+    PENDING = "pending"
+    VERIFIED = "verified"
+    QUARANTINED = "quarantined"
+
+
+class GateError(RuntimeError):
+    """The gate was used against its contract (see the subclasses for the refusals)."""
+
+
+class GateClosedError(GateError):
+    """An alarm is open: nothing is published as verified until recovery."""
+
+    def __init__(self, alarm: Alarm) -> None:
+        super().__init__(
+            f"checkpoint gate closed by the {alarm.layer}/{alarm.phase} alarm at step "
+            f"{alarm.step}: nothing is published as verified until recovery"
+        )
+        self.alarm = alarm
+
+
+class CheckpointNotVerifiedError(GateError):
+    """The requested checkpoint has no evidence (pending) or is quarantined."""
+
+
+class ProvenanceSink(Protocol):
+    """Where provenance goes (the alarm sender on rank 0)."""
+
+    def record_checkpoint(self, body: dict[str, Any]) -> Any: ...
+
+    def record_audit(self, body: dict[str, Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the guard decided at the end of one step, identically on every rank.
+
+    ``fingerprint`` is this rank's weight fingerprint after the step (what it would write).
+    ``audit`` is the ring-audit mode if an audit ran this step.
+    """
+
+    step: int
+    ranks: tuple[int, ...]
+    fingerprint: Fingerprint
+    vote_passed: bool
+    audit: AuditMode | None = None
+    audit_passed: bool = False
+    alarm: Alarm | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    step: int
+    uri: str
+    sha256: str
+    fingerprint: str
+    status: CheckpointStatus
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_report(self) -> dict[str, Any]:
+        """The DESIGN report entry."""
+        return {
+            "step": self.step,
+            "uri": self.uri,
+            "sha256": self.sha256,
+            "fingerprint": self.fingerprint,
+            "status": str(self.status),
+        }
+
+
+def checkpoint_path(directory: Path, step: int) -> Path:
+    """``<dir>/ckpt-<step:06d>.pt`` — the state after step ``step``."""
+    return directory / f"ckpt-{step:06d}.pt"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class CheckpointGate:
+    """Checkpoint provenance of one job (kept by the rank that writes checkpoints).
+
+    Invariant: a record is ``verified`` only if a passed audit (or, without audits, a passed
+    vote) at a step ≥ its own was observed while the gate was open and after the record was
+    pending; once closed, no record changes to ``verified`` until :meth:`reopen`.
+    """
+
+    def __init__(
+        self,
+        directory: Path | None,
+        *,
+        audit_every: int,
+        nodes: Sequence[str] = (),
+        sink: ProvenanceSink | None = None,
+        job_id: str = "local",
+    ) -> None:
+        self.directory = directory
+        self.audit_every = audit_every
+        self.nodes = list(nodes)
+        self.job_id = job_id
+        self._sink = sink
+        self._records: dict[int, CheckpointRecord] = {}
+        self._alarm: Alarm | None = None
+        self._last: StepOutcome | None = None
+        self._held_audit: dict[str, Any] | None = None
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._alarm is not None
+
+    @property
+    def records(self) -> tuple[CheckpointRecord, ...]:
+        return tuple(self._records[s] for s in sorted(self._records))
+
+    def latest_verified(self) -> CheckpointRecord | None:
+        verified = [r for r in self.records if r.status is CheckpointStatus.VERIFIED]
+        return verified[-1] if verified else None
+
+    # -- evidence ---------------------------------------------------------------------------------
+    def observe(self, outcome: StepOutcome) -> None:
+        """Feed the guard's decision for one step (called by the guard)."""
+        self._post_held_audit()
+        self._last = outcome
+        if outcome.alarm is not None:
+            self._close(outcome.alarm)
+        elif not self.closed:
+            evidence = self._evidence(outcome)
+            if evidence is not None:
+                for step, record in list(self._records.items()):
+                    if record.status is CheckpointStatus.PENDING and step <= outcome.step:
+                        self._set(
+                            replace(record, status=CheckpointStatus.VERIFIED, evidence=evidence)
+                        )
+        if outcome.audit is not None:
+            self._held_audit = {
+                "step": outcome.step,
+                "kind": str(outcome.audit),
+                "ranks": list(outcome.ranks),
+                "passed": outcome.audit_passed and outcome.alarm is None,
+            }
+
+    def _evidence(self, outcome: StepOutcome) -> dict[str, Any] | None:
+        if outcome.audit is not None and outcome.audit_passed and outcome.vote_passed:
+            return {"kind": str(outcome.audit), "step": outcome.step}
+        if self.audit_every == 0 and outcome.vote_passed:
+            return {
+                "kind": "fingerprint",
+                "step": outcome.step,
+                "weaker": True,
+                "note": "no ring audits in this job: a passed fingerprint vote shows the "
+                "replicas agree, not that their computation was right",
+            }
+        return None
+
+    def _close(self, alarm: Alarm) -> None:
+        if self._alarm is None:
+            self._alarm = alarm
+        for record in list(self._records.values()):
+            if record.status is CheckpointStatus.PENDING:
+                self._set(
+                    replace(
+                        record,
+                        status=CheckpointStatus.QUARANTINED,
+                        evidence={"alarm_step": alarm.step, "layer": str(alarm.layer)},
+                    )
+                )
+        _log.warning("checkpoint gate closed", extra={"job": self.job_id, "step": alarm.step})
+
+    def _set(self, record: CheckpointRecord) -> None:
+        self._records[record.step] = record
+        _log.info(
+            "checkpoint %s",
+            record.status,
+            extra={"job": self.job_id, "step": record.step, "uri": record.uri},
+        )
+
+    # -- writing and publishing --------------------------------------------------------------------
+    def write(self, step: int, writer: Callable[[Path], None]) -> CheckpointRecord:
+        """Write the state after ``step`` atomically and record it.
+
+        ``writer(path)`` must write the whole checkpoint to ``path`` (a temporary file in the
+        same directory); the gate syncs it, hashes it and renames it into place, so a reader never
+        sees a partial file. Must be called right after the guard decided ``step`` — that is the
+        state whose fingerprint the record carries.
+        """
+        if self.directory is None:
+            raise GateError("this gate has no checkpoint directory")
+        if self._last is None or self._last.step != step:
+            seen = None if self._last is None else self._last.step
+            raise GateError(
+                f"checkpoint of step {step} written after the guard decided step "
+                f"{seen}: the recorded fingerprint would not match the file"
+            )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = checkpoint_path(self.directory, step)
+        temp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        try:
+            writer(temp)
+            with temp.open("rb+") as fh:
+                os.fsync(fh.fileno())
+            digest = _sha256(temp)
+            os.replace(temp, final)
+        finally:
+            temp.unlink(missing_ok=True)
+        dir_fd = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        if self.closed:
+            status = CheckpointStatus.QUARANTINED
+            assert self._alarm is not None
+            evidence: dict[str, Any] = {
+                "alarm_step": self._alarm.step,
+                "layer": str(self._alarm.layer),
+            }
+        else:
+            found = self._evidence(self._last)
+            status = CheckpointStatus.VERIFIED if found else CheckpointStatus.PENDING
+            evidence = found or {}
+        record = CheckpointRecord(
+            step=step,
+            uri=str(final.resolve()),
+            sha256=digest,
+            fingerprint=self._last.fingerprint.hex(),
+            status=status,
+            evidence=evidence,
+        )
+        self._set(record)
+        if self._sink is not None:
+            self._sink.record_checkpoint(
+                {
+                    "step": step,
+                    "uri": record.uri,
+                    "sha256": digest,
+                    "fingerprint": record.fingerprint,
+                    "nodes": self.nodes,
+                }
+            )
+            if self.audit_every == 0 and status is CheckpointStatus.VERIFIED:
+                self._sink.record_audit(
+                    {
+                        "step": step,
+                        "kind": "fingerprint",
+                        "ranks": list(self._last.ranks),
+                        "passed": True,
+                    }
+                )
+        self._post_held_audit()
+        return record
+
+    def publish(self, step: int | None = None) -> CheckpointRecord:
+        """The checkpoint to publish as verified (the newest, or the one at ``step``).
+
+        Raises :class:`GateClosedError` while an alarm is open and
+        :class:`CheckpointNotVerifiedError` for a pending or quarantined checkpoint.
+        """
+        if self._alarm is not None:
+            raise GateClosedError(self._alarm)
+        if step is None:
+            record = self.latest_verified()
+            if record is None:
+                raise CheckpointNotVerifiedError("no checkpoint has been verified yet")
+            return record
+        record = self._records.get(step)
+        if record is None:
+            raise CheckpointNotVerifiedError(f"no checkpoint at step {step}")
+        if record.status is not CheckpointStatus.VERIFIED:
+            raise CheckpointNotVerifiedError(f"checkpoint at step {step} is {record.status}")
+        return record
+
+    def reopen(self) -> None:
+        """Recovery is done (resumed from a verified checkpoint): accept evidence again.
+        Quarantined records stay quarantined."""
+        self._alarm = None
+
+    def flush(self) -> None:
+        """Post an audit still held back (call before the job ends)."""
+        self._post_held_audit()
+
+    def _post_held_audit(self) -> None:
+        if self._held_audit is not None and self._sink is not None:
+            self._sink.record_audit(self._held_audit)
+        self._held_audit = None

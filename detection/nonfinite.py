@@ -1,0 +1,169 @@
+"""Non-finite gradient check before and after all-reduce, as a DDP communication hook.
+
+The hook wraps the user's own hook (or the default all-reduce) and, per bucket, in one pass:
+
+* before all-reduce: the sum of the rank's *local* bucket. Every NaN or ±Inf element makes
+  the sum non-finite, so a non-finite sum is a rank-local verdict that survives the averaging —
+  the one place where the rank that produced a NaN can still be named. (A finite bucket whose
+  sum overflows the float32 range, |Σ| > 3.4e38, is flagged too: such gradients are corrupt in
+  every practical sense.)
+* after all-reduce: the same on the reduced bucket, which every replica must agree on.
+
+Per-bucket sums stay on the device; :meth:`CheckedCommHook.flags` folds them into two flags the
+guard all-gathers once per step with everything else, so the check adds no host synchronisation.
+
+On audited gradient steps the hook also fingerprints the local bucket before all-reduce — the
+only moment the rank's own gradient exists — and records the bucket partition the partner's
+replay must group its gradients by.
+"""
+
+# No ``from __future__ import annotations`` here: DDP compares the hook's annotations with the
+# real ``dist.GradBucket`` and ``Future[Tensor]`` objects when it is registered.
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from detection.alarm import Phase
+from detection.faults import FaultInjector
+from detection.fingerprint import fingerprint_on_device
+
+__all__ = ["CheckedCommHook", "CommHook", "NonFiniteVerdict", "attribute_nonfinite"]
+
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class NonFiniteVerdict:
+    phase: Phase
+    suspects: tuple[int, ...]
+    pre_ranks: tuple[int, ...]
+    post_ranks: tuple[int, ...]
+
+
+def attribute_nonfinite(pre: Sequence[bool], post: Sequence[bool]) -> NonFiniteVerdict | None:
+    """Name the ranks behind non-finite gradients.
+
+    A rank whose local gradient was non-finite before all-reduce produced it (every rank may
+    be named, e.g. when the weights themselves went non-finite). With finite local gradients, a
+    rank whose reduced gradient alone is non-finite is named; when every replica's reduced
+    gradient is non-finite from finite inputs the reduction itself is at fault and no rank is.
+    """
+    pre_ranks = tuple(r for r, bad in enumerate(pre) if bad)
+    post_ranks = tuple(r for r, bad in enumerate(post) if bad)
+    if pre_ranks:
+        return NonFiniteVerdict(Phase.PRE_ALLREDUCE, pre_ranks, pre_ranks, post_ranks)
+    if post_ranks:
+        suspects = post_ranks if len(post_ranks) < len(post) else ()
+        return NonFiniteVerdict(Phase.POST_ALLREDUCE, suspects, pre_ranks, post_ranks)
+    return None
+
+
+def _bucket_sum(t: torch.Tensor) -> torch.Tensor:
+    return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+class CheckedCommHook:
+    """The communication hook the guard registers on the DDP model.
+
+    Threading: the pre-all-reduce part runs on the autograd thread, the post part in the
+    future's callback, which a backend may run on its own threads; each writes only its own
+    bucket's slot, and DDP's backward waits for every callback before returning.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        process_group: dist.ProcessGroup | None,
+        inner: CommHook | None = None,
+        inner_state: Any = None,
+        injector: FaultInjector | None = None,
+    ) -> None:
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._inner: CommHook = inner if inner is not None else allreduce_hook
+        self._inner_state = inner_state if inner is not None else process_group
+        self._injector = injector
+        self._device = params[0].device
+        self._pre: dict[int, torch.Tensor] = {}
+        self._post: dict[int, torch.Tensor] = {}
+        self._grad_fp: dict[int, torch.Tensor] = {}
+        self._partition: dict[int, list[int]] = {}
+        self._active = False
+        self._fingerprint = False
+        self._inject = False
+        self.calls = 0
+
+    def register(self, ddp: DistributedDataParallel) -> None:
+        ddp.register_comm_hook(state=None, hook=self.hook)
+
+    def begin_step(self, *, fingerprint_gradients: bool, inject: bool) -> None:
+        self._pre.clear()
+        self._post.clear()
+        self._grad_fp.clear()
+        self._partition.clear()
+        self._active = True
+        self._fingerprint = fingerprint_gradients
+        self._inject = inject
+
+    def end_step(self) -> None:
+        self._active = False
+
+    def hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The DDP comm hook (a bound method: DDP wants a named function)."""
+        self.calls += 1
+        if not self._active:
+            # A backward outside guard.step() (e.g. an evaluation pass): pass straight through.
+            return self._inner(self._inner_state, bucket)
+        key = bucket.index()
+        buffer = bucket.buffer()
+        pairs: list[tuple[int, torch.Tensor]] = []
+        if self._fingerprint or self._inject:
+            pairs = [
+                (self._index[id(p)], g)
+                for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
+            ]
+        if self._inject and self._injector is not None:
+            self._injector.on_local_gradient(pairs)
+        self._pre[key] = _bucket_sum(buffer)
+        if self._fingerprint:
+            self._grad_fp[key] = fingerprint_on_device([g for _, g in pairs])
+            self._partition[key] = [i for i, _ in pairs]
+        offsets = [(i, g.storage_offset() - buffer.storage_offset(), g.numel()) for i, g in pairs]
+
+        def after(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            value = fut.value()
+            reduced: torch.Tensor = value[0] if isinstance(value, list) else value
+            if self._inject and self._injector is not None:
+                flat = reduced.reshape(-1)
+                self._injector.on_reduced_gradient([(i, flat[o : o + n]) for i, o, n in offsets])
+            self._post[key] = _bucket_sum(reduced)
+            return reduced
+
+        return self._inner(self._inner_state, bucket).then(after)
+
+    def flags(self) -> torch.Tensor:
+        """``[pre_bad, post_bad]`` as int64 on the device, without a host synchronisation."""
+        return torch.stack([self._fold(self._pre), self._fold(self._post)])
+
+    def _fold(self, sums: dict[int, torch.Tensor]) -> torch.Tensor:
+        if not sums:
+            return torch.zeros((), dtype=torch.int64, device=self._device)
+        total = torch.stack([s.to(torch.float64) for s in sums.values()]).sum()
+        return (~torch.isfinite(total)).to(torch.int64)
+
+    def gradient_fingerprint(self) -> torch.Tensor:
+        """Σ over buckets of the local-gradient fingerprints (wrapping int64), on the device."""
+        total = torch.zeros(2, dtype=torch.int64, device=self._device)
+        for value in self._grad_fp.values():
+            total = total + value
+        return total
+
+    def partition(self) -> list[list[int]]:
+        """The parameter positions of each bucket seen this step, in bucket order."""
+        return [self._partition[k] for k in sorted(self._partition)]
