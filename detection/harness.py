@@ -212,12 +212,17 @@ def run(config: TrainConfig) -> dict[str, Any]:
         finally:
             _stop_all(procs)
         report: dict[str, Any] = json.loads(result_path.read_text())
-    if config.report is not None:
-        config.report.parent.mkdir(parents=True, exist_ok=True)
-        temp = config.report.with_name(config.report.name + ".tmp")
-        temp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(temp, config.report)
+    _write_report(config, report)
     return report
+
+
+def _write_report(config: TrainConfig, report: dict[str, Any]) -> None:
+    if config.report is None:
+        return
+    config.report.parent.mkdir(parents=True, exist_ok=True)
+    temp = config.report.with_name(config.report.name + ".tmp")
+    temp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(temp, config.report)
 
 
 def _wait_all(procs: Sequence[Any], errors: Path) -> None:
@@ -248,6 +253,8 @@ def _stop_all(procs: Sequence[Any], grace_s: float = 5.0) -> None:
 
 # -- one rank -------------------------------------------------------------------------------------
 def _raise_terminated(_signum: int, _frame: Any) -> None:
+    # Once is enough: a second SIGTERM must not interrupt the unwinding (and the last report).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Terminated()
 
 
@@ -279,8 +286,11 @@ def _rank_entry(
         try:
             report = _train(rank, config, secret)
         finally:
-            dist.destroy_process_group()
-        if rank == 0:
+            with contextlib.suppress(Exception):  # peers may be gone already when stopped
+                dist.destroy_process_group()
+        if "stopped_after_step" in report:
+            code = _TERMINATED  # rank 0 wrote its report itself: the launcher is gone
+        elif rank == 0:
             Path(result_path).write_text(json.dumps(report))
     except _Terminated:
         code = _TERMINATED
@@ -455,6 +465,8 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
     trace = _open_trace(config, rank)
     durations: list[float] = []
     terminating = False
+    completed: int | None = None  # the last step whose update finished
+    completed_fp: Fingerprint | None = None
     try:
         for step in range(start, config.steps):
             probe = _Probe(model) if step == config.probe_step else None
@@ -480,6 +492,8 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                 _write_probe(config, rank, probe)
             if trace is not None or capture is not None:
                 _trace_step(trace, step, loss, capture, params, outcome)
+            completed = step  # after its trace line: a stopped run's report matches its trace
+            completed_fp = outcome.fingerprint if outcome is not None else None
             if gate is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
                 if outcome is None:  # plain DDP: a record with no evidence stays pending
                     outcome = StepOutcome(
@@ -494,8 +508,10 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                 _log.warning("halted after the alarm at step %d", step, extra=extra)
                 break
     except _Terminated:
-        terminating = True  # the spool keeps what is not sent; the stopper will not wait
-        raise
+        # The spool keeps what is not sent; the stopper will not wait. Only rank 0 reports.
+        terminating = True
+        if rank != 0:
+            raise
     finally:
         if trace is not None:
             trace.close()
@@ -505,9 +521,11 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
             gate.flush()
         if sender is not None and not terminating:
             sender.close(timeout_s=10.0)  # what is not delivered by then stays spooled
-    final = weight_fingerprint(params)
+    # A stopped run reports the weights after its last complete step: the signal may have
+    # landed inside an update, so the live tensors are not a state any step produced.
+    final = completed_fp if terminating and completed_fp is not None else weight_fingerprint(params)
     alarms = guard.alarms if guard is not None else []
-    return {
+    report: dict[str, Any] = {
         "world_size": world,
         "steps": config.steps,
         "nodes": {str(r): n for r, n in enumerate(nodes)},
@@ -516,6 +534,13 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
         "final_fingerprint": final.hex(),
         "step_ms": _step_ms(durations),
     }
+    if terminating:
+        # Stopped (the incident flow stops training): rank 0 still reports what the job did up
+        # to its last complete step — its alarms and checkpoints are the incident's evidence.
+        report["stopped_after_step"] = completed
+        if rank == 0:
+            _write_report(config, report)
+    return report
 
 
 def _step_ms(durations: Sequence[float]) -> dict[str, float]:

@@ -48,6 +48,11 @@ def _iso(at: datetime | None) -> str | None:
     return at.isoformat() if at is not None else None
 
 
+# A stage's status in the report speaks Prefect's language (DESIGN: name, status, start, end);
+# the ledger's action statuses say the same thing about the stage's claim.
+_STAGE_STATUS = {"claimed": "running", "succeeded": "completed", "failed": "failed"}
+
+
 def incident_summary(incident: IncidentView) -> dict[str, Any]:
     """What the demo puts in its report JSON (DESIGN, ``sdcguard demo --report``)."""
     replace = _stage_outcome(incident, "replace")
@@ -79,7 +84,7 @@ def incident_summary(incident: IncidentView) -> dict[str, Any]:
         "stages": [
             {
                 "name": a.target,
-                "status": a.status.value,
+                "status": _STAGE_STATUS[a.status.value],
                 "start": _iso(a.started_at),
                 "end": _iso(a.finished_at),
                 "outcome": (a.detail or {}).get("outcome"),

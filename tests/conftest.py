@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+
+import pytest
 
 # Prefect reads these at import time; set them before any test module imports prefect.
 _PREFECT_HOME = tempfile.mkdtemp(prefix="sdcguard-prefect-")
@@ -15,3 +18,19 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "false")
 
 pytest_plugins: list[str] = ["tests.fixtures_db"]
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    """One temporary Prefect server (API + SQLite) for the whole test session; yields its URL.
+
+    ``prefect_test_harness`` points ``PREFECT_API_URL`` at it while the session runs. Starting
+    it takes 15-25 s on two cores, hence one per session, shared by every test that needs it.
+    """
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        url = PREFECT_API_URL.value()
+        assert url, "prefect_test_harness did not set PREFECT_API_URL"
+        yield url

@@ -216,6 +216,7 @@ def test_webhook_gets_ranks_provenance_and_one_alarm_from_the_lowest_clean_rank(
 
 def test_sigterm_to_the_process_group_stops_every_rank(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
+    report = tmp_path / "report.json"
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -225,8 +226,12 @@ def test_sigterm_to_the_process_group_stops_every_rank(tmp_path: Path) -> None:
             "4",
             "--steps",
             "100000",
+            "--audit-every",
+            "2",
             "--trace",
             str(trace),
+            "--report",
+            str(report),
         ],
         cwd=ROOT,
         start_new_session=True,
@@ -250,3 +255,9 @@ def test_sigterm_to_the_process_group_stops_every_rank(tmp_path: Path) -> None:
             break
         assert time.monotonic() < deadline, "processes of the job outlived the launcher"
         time.sleep(0.05)
+    # a stopped job still reports, as of its last complete step (the trace's last line)
+    stopped = json.loads(report.read_text())
+    last = json.loads(trace.read_text().splitlines()[-1])
+    assert stopped["stopped_after_step"] == last["step"]
+    assert stopped["final_fingerprint"] == last["weight_fingerprint"]
+    assert stopped["steps"] == 100000

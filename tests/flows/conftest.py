@@ -86,22 +86,6 @@ def webhook(
         yield Webhook(url, app, ledger, recording_trigger, webhook_secret)
 
 
-@pytest.fixture(scope="session")
-def prefect_api() -> Iterator[str]:
-    """One temporary Prefect server (API + SQLite) for the whole test session; yields its URL.
-
-    ``prefect_test_harness`` points ``PREFECT_API_URL`` at it while the session runs. Starting
-    it takes 15-25 s on two cores, hence one per session, shared by every test that needs it.
-    """
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        url = PREFECT_API_URL.value()
-        assert url, "prefect_test_harness did not set PREFECT_API_URL"
-        yield url
-
-
 def alarm_payload(
     *,
     job_id: Any = "job-1",

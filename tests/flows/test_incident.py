@@ -441,7 +441,7 @@ def test_approved_incident_is_replaced_resumed_and_resolved(site: Site) -> None:
         "quarantine",
         "resume",
     ]
-    assert all(s["status"] == "succeeded" and s["start"] <= s["end"] for s in summary["stages"])
+    assert all(s["status"] == "completed" and s["start"] <= s["end"] for s in summary["stages"])
 
     evidence = _artifact(artifact_key(site.incident_id, "evidence"))
     for text in (
