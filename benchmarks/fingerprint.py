@@ -1,0 +1,162 @@
+"""Weight fingerprint speed next to ``torch.sum`` over the same float32 parameters.
+
+Run: ``.venv/bin/python benchmarks/fingerprint.py`` (about a minute on two cores, most of it
+compiling). For 10M and 100M elements, held as a list of parameter-sized tensors like a
+transformer's, it measures side by side in one process, interleaved repeat by repeat:
+
+* ``torch.sum``: one ``torch.sum`` per tensor, stacked and summed: the bandwidth reference;
+* ``fused``: :func:`detection.fingerprint.fingerprint_on_device` with the fused kernel;
+* ``eager``: the same with the eager kernel (the fallback without a compiler);
+* ``naive``: the reference formula, every tensor widened to int64 at once.
+
+It prints medians, the ratio fused / torch.sum against the 1.5 target (and the ratio of the
+fastest runs, which is what an idle machine shows), the compile time (paid once per layout)
+and checks that every method returns the same fingerprint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from detection import fingerprint as fp
+
+TARGET = 1.5
+
+
+def model_like(total: int, seed: int = 0) -> list[torch.Tensor]:
+    """Embedding, then blocks of attention and MLP weights with biases and norm vectors, until
+    ``total`` elements; the last matrix is trimmed so the count is exact (and not round)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = 512 if total <= 20_000_000 else 1024
+    shapes: list[tuple[int, ...]] = [(8192, d)]
+    block = [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d)]
+    block += [(d,), (d,), (d,)]
+    count = 8192 * d
+    while count < total:
+        for shape in block:
+            n = 1
+            for s in shape:
+                n *= s
+            if count + n > total:
+                shapes.append((total - count,))
+                count = total
+                break
+            shapes.append(shape)
+            count += n
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+def naive(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The definition written directly: full-size int64 copies, one per tensor."""
+    a = torch.zeros((), dtype=torch.int64)
+    b = torch.zeros((), dtype=torch.int64)
+    offset = 0
+    for t in tensors:
+        w = t.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        n = w.numel()
+        idx = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64)
+        a = a + w.sum()
+        b = b + (w * idx).sum()
+        offset += n
+    return torch.stack([a, b])
+
+
+def sum_all(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([torch.sum(t) for t in tensors]).sum()
+
+
+def with_kernel(kernel: fp.Kernel) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    def run(tensors: list[torch.Tensor]) -> torch.Tensor:
+        fp.set_kernel(kernel)
+        return fp.fingerprint_on_device(tensors)
+
+    return run
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000000,100000000")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--naive-repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    print(
+        f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs); torch {torch.__version__}, "
+        f"{torch.get_num_threads()} intra-op threads; medians of {args.repeats} repeats "
+        f"({args.naive_repeats} for naive), interleaved; load average before: "
+        f"{os.getloadavg()[0]:.2f}"
+    )
+    rows = []
+    for total in (int(s) for s in args.sizes.split(",")):
+        params = model_like(total)
+        methods: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {
+            "sum": sum_all,
+            "fused": with_kernel(fp.Kernel.FUSED),
+            "eager": with_kernel(fp.Kernel.EAGER),
+            "naive": naive,
+        }
+        start = time.perf_counter()
+        results = {name: fn(params) for name, fn in methods.items()}
+        compile_s = time.perf_counter() - start
+        prints = {n: fp.fingerprint_from_tensor(results[n]) for n in ("fused", "eager", "naive")}
+        if len(set(prints.values())) != 1:
+            raise SystemExit(f"fingerprints disagree at {total}: {prints}")
+        times: dict[str, list[float]] = {name: [] for name in methods}
+        for rep in range(args.repeats):
+            for name, fn in methods.items():
+                if name == "naive" and rep >= args.naive_repeats:
+                    continue
+                t0 = time.perf_counter()
+                fn(params)
+                times[name].append(time.perf_counter() - t0)
+        med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
+        best = min(times["fused"]) / min(times["sum"])
+        rows.append((total, len(params), med, best, compile_s))
+        del params
+    fp.set_kernel(fp.Kernel.AUTO)
+
+    header = (
+        f"{'elements':>11} {'tensors':>7} {'torch.sum ms':>12} {'fused ms':>9} "
+        f"{'ratio':>6} {'target':>6} {'best':>5} {'eager ms':>9} {'naive ms':>9} "
+        f"{'first call s':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for total, count, med, best, compile_s in rows:
+        ratio = med["fused"] / med["sum"]
+        print(
+            f"{total:>11,} {count:>7} {med['sum']:>12.2f} {med['fused']:>9.2f} "
+            f"{ratio:>6.2f} {TARGET:>6.1f} {best:>5.2f} {med['eager']:>9.2f} "
+            f"{med['naive']:>9.2f} {compile_s:>12.1f}"
+        )
+    print(
+        "ratio = median fused / median torch.sum; best = fastest fused / fastest torch.sum.\n"
+        "Every method returned the same fingerprint; 'first call' includes compiling the layout.\n"
+        f"Load average after: {os.getloadavg()[0]:.2f} (other processes share these cores)."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,264 @@
+"""Weight fingerprints: bitwise equal to the definition, and sensitive to every bit flip."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from detection import fingerprint as fp
+from detection.fingerprint import (
+    Fingerprint,
+    FingerprintError,
+    Kernel,
+    fingerprint_from_tensor,
+    fingerprint_on_device,
+    weight_fingerprint,
+)
+
+MASK = (1 << 64) - 1
+SIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def reference(tensors: Sequence[torch.Tensor]) -> Fingerprint:
+    """The definition, in Python integers: unsigned words, global 1-based positions."""
+    a = b = 0
+    i = 0
+    for t in tensors:
+        size = t.element_size()
+        for signed in t.reshape(-1).view(SIGNED_VIEW[size]).tolist():
+            w = signed % (1 << (8 * size))
+            i += 1
+            a += w
+            b += i * w
+    return Fingerprint(a & MASK, b & MASK)
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Arbitrary bit patterns (NaNs, infinities, subnormals, negative zeros included)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    view = SIGNED_VIEW[size]
+    info = torch.iinfo(view)
+    raw = torch.randint(info.min, info.max, shape, dtype=view, generator=gen)
+    return raw.view(dtype)
+
+
+def flip(t: torch.Tensor, index: int, bit: int) -> torch.Tensor:
+    """A copy of ``t`` with bit ``bit`` of flat element ``index`` flipped."""
+    out = t.clone()
+    words = out.reshape(-1).view(SIGNED_VIEW[out.element_size()])
+    bits = 8 * out.element_size()
+    unsigned = (int(words[index]) + (1 << bits)) % (1 << bits)
+    flipped = unsigned ^ (1 << bit)
+    words[index] = flipped - (1 << bits) if flipped >= 1 << (bits - 1) and bits > 8 else flipped
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _restore_kernel() -> Iterator[None]:
+    before = fp.get_kernel()
+    yield
+    fp.set_kernel(before)
+
+
+SHAPES = [(), (0,), (1,), (2,), (3,), (7,), (3, 5), (2, 3, 4), (1023,), (1025,), (4097,), (64, 65)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_eager_kernel_equals_the_python_reference_for_many_shapes(dtype: torch.dtype) -> None:
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(7)
+    for shape in SHAPES:
+        t = random_bits(shape, dtype, gen)
+        assert weight_fingerprint([t]) == reference([t]), shape
+    tensors = [random_bits(shape, dtype, gen) for shape in SHAPES]
+    assert weight_fingerprint(tensors) == reference(tensors)
+
+
+def test_fingerprinting_never_modifies_the_tensors() -> None:
+    """(The fused kernel is checked in its own test, to compile one layout only.)"""
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(13)
+    tensors = [random_bits((257,), dtype, gen) for dtype in DTYPES]
+    before = [t.reshape(-1).view(SIGNED_VIEW[t.element_size()]).clone() for t in tensors]
+    weight_fingerprint(tensors)
+    for t, old in zip(tensors, before, strict=True):
+        assert torch.equal(t.reshape(-1).view(SIGNED_VIEW[t.element_size()]), old), t.dtype
+
+
+def test_eager_kernel_is_exact_across_chunks_and_with_wrapping_sums() -> None:
+    """Longer than one eager chunk, with values large enough that B wraps modulo 2**64."""
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(3)
+    big = random_bits((2 * fp._CHUNK + 3,), torch.float32, gen)
+    tensors = [random_bits((5,), torch.float16, gen), big, random_bits((9,), torch.float64, gen)]
+    unsigned = big.view(torch.int32).double() % 2**32
+    positions = torch.arange(1, big.numel() + 1, dtype=torch.float64)
+    assert float(unsigned @ positions) > 2**64  # B really wraps
+    assert weight_fingerprint(tensors) == reference(tensors)
+
+
+def test_fused_kernel_equals_the_reference_on_a_mixed_layout() -> None:
+    """One compiled layout covering every path of the packed kernel: all word sizes, odd
+    lengths, views that start between 8-byte boundaries, a transposed view, 0-d and empty
+    tensors, and a tensor long enough that every aggregate wraps."""
+    fp.set_kernel(Kernel.FUSED)
+    gen = torch.Generator().manual_seed(11)
+    base32 = random_bits((70_001,), torch.float32, gen)
+    base16 = random_bits((1_003,), torch.bfloat16, gen)
+    tensors = [
+        base32[1:],  # starts on a half lane: one loose head word
+        random_bits((), torch.float32, gen),
+        random_bits((0,), torch.float32, gen),
+        base16[3:1000],  # three loose words to the next lane, odd tail
+        random_bits((5, 7), torch.float16, gen),
+        random_bits((9,), torch.float64, gen),
+        random_bits((6, 5), torch.float32, gen).t(),  # not contiguous
+        random_bits((1,), torch.bfloat16, gen),
+        random_bits((13,), torch.uint8, gen),
+        torch.rand((11,), generator=gen) > 0.5,  # bool: one byte per element
+        random_bits((3,), torch.int8, gen),
+    ]
+    expected = reference(tensors)
+    before = [t.reshape(-1).view(SIGNED_VIEW[t.element_size()]).clone() for t in tensors]
+    on_device = fingerprint_on_device(tensors)
+    assert fingerprint_from_tensor(on_device) == expected
+    for t, old in zip(tensors, before, strict=True):  # read-only
+        assert torch.equal(t.reshape(-1).view(SIGNED_VIEW[t.element_size()]), old)
+    fp.set_kernel(Kernel.EAGER)
+    assert torch.equal(fingerprint_on_device(tensors), on_device)
+
+
+def test_element_types_outside_the_fused_kernel_take_the_eager_one() -> None:
+    fp.set_kernel(Kernel.FUSED)
+    gen = torch.Generator().manual_seed(12)
+    tensors = [random_bits((7,), torch.complex64, gen), random_bits((5,), torch.float32, gen)]
+    assert weight_fingerprint(tensors) == reference(tensors)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "positions"),
+    [(torch.float32, [0, 1, 500, 998, 999]), (torch.float16, [0, 999]), (torch.float64, [0, 999])],
+    ids=["float32", "float16", "float64"],
+)
+def test_every_single_bit_flip_changes_the_fingerprint(
+    dtype: torch.dtype, positions: list[int]
+) -> None:
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(5)
+    head = random_bits((400,), dtype, gen)
+    tail = random_bits((600,), dtype, gen)
+    clean = weight_fingerprint([head, tail])
+    bits = 8 * head.element_size()
+    rng = random.Random(5)
+    samples = [(p, b) for p in positions for b in range(bits)]
+    samples += [(rng.randrange(1000), rng.randrange(bits)) for _ in range(50)]
+    for index, bit in samples:
+        if index < 400:
+            flipped = [flip(head, index, bit), tail]
+        else:
+            flipped = [head, flip(tail, index - 400, bit)]
+        got = weight_fingerprint(flipped)
+        assert got != clean, (index, bit)
+        assert got.a != clean.a, (index, bit)  # A alone catches any single flip
+        assert got == reference(flipped)
+
+
+def test_a_pair_of_flips_that_cancels_in_a_is_caught_by_b() -> None:
+    fp.set_kernel(Kernel.EAGER)
+    words = torch.zeros(4096, dtype=torch.int32)
+    words[10] = 0  # bit 30 clear: flipping it adds 2**30
+    words[4000] = 1 << 30  # bit 30 set: flipping it subtracts 2**30
+    t = words.view(torch.float32)
+    flipped = flip(flip(t, 10, 30), 4000, 30)
+    clean, hit = weight_fingerprint([t]), weight_fingerprint([flipped])
+    assert hit.a == clean.a  # the pair cancels in A ...
+    assert (hit.b - clean.b) % 2**64 == ((10 - 4000) * 2**30) % 2**64 != 0  # ... never in B
+
+
+def test_the_float64_blind_spot_is_the_documented_one() -> None:
+    """The module docstring's 64-bit bound is tight: two sign-bit flips of float64 values an
+    even distance apart cancel in both aggregates (2 * 2**63 ≡ 0), an odd distance apart not."""
+    fp.set_kernel(Kernel.EAGER)
+    t = torch.linspace(1.0, 2.0, 8, dtype=torch.float64)
+    clean = weight_fingerprint([t])
+    assert weight_fingerprint([flip(flip(t, 1, 63), 3, 63)]) == clean
+    assert weight_fingerprint([flip(flip(t, 1, 63), 4, 63)]) != clean
+    assert weight_fingerprint([flip(flip(t, 1, 62), 3, 62)]) != clean  # lower bits are caught
+
+
+def test_the_same_flat_data_split_differently_gives_the_same_fingerprint() -> None:
+    fp.set_kernel(Kernel.EAGER)
+    flat = random_bits((1000,), torch.float32, torch.Generator().manual_seed(9))
+    whole = weight_fingerprint([flat])
+    assert weight_fingerprint([flat[:1], flat[1:999], flat[999:]]) == whole
+    assert weight_fingerprint([flat[:500].reshape(20, 25), flat[500:], flat[:0]]) == whole
+    assert weight_fingerprint(list(flat.split(7))) == whole
+    assert weight_fingerprint([flat[:500].reshape(25, 20)]) == weight_fingerprint([flat[:500]])
+
+
+def test_a_different_order_of_tensors_changes_it() -> None:
+    """Positions count: swapping two different tensors keeps A and changes B."""
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(2)
+    x, y = random_bits((10,), torch.float32, gen), random_bits((10,), torch.float32, gen)
+    xy, yx = weight_fingerprint([x, y]), weight_fingerprint([y, x])
+    assert xy.a == yx.a
+    assert xy.b != yx.b
+
+
+def test_fingerprint_on_device_is_two_int64_words_equal_to_weight_fingerprint() -> None:
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(4)
+    tensors = [random_bits((33,), torch.float32, gen), random_bits((4, 4), torch.bfloat16, gen)]
+    value = fingerprint_on_device(tensors)
+    assert value.dtype == torch.int64
+    assert value.shape == (2,)
+    assert value.device == tensors[0].device
+    assert fingerprint_from_tensor(value) == weight_fingerprint(tensors) == reference(tensors)
+
+
+def test_parameters_with_grad_are_fingerprinted_without_autograd() -> None:
+    fp.set_kernel(Kernel.EAGER)
+    layer = torch.nn.Linear(5, 3)
+    value = fingerprint_on_device(layer.parameters())
+    assert not value.requires_grad
+    assert fingerprint_from_tensor(value) == reference([layer.weight.detach(), layer.bias.detach()])
+
+
+def test_no_tensors_gives_zeros() -> None:
+    assert weight_fingerprint([]) == Fingerprint(0, 0)
+    assert torch.equal(fingerprint_on_device([]), torch.zeros(2, dtype=torch.int64))
+
+
+def test_hex_round_trip_and_strict_parsing() -> None:
+    f = Fingerprint(0x0123456789ABCDEF, MASK)
+    assert f.hex() == "0123456789abcdef" + "f" * 16
+    assert Fingerprint.from_hex(f.hex()) == f
+    for bad in ["", "0" * 31, "0" * 33, "g" + "0" * 31, "+" + "0" * 31, " " + "0" * 31]:
+        with pytest.raises(ValueError, match="32 hex characters"):
+            Fingerprint.from_hex(bad)
+
+
+def test_fingerprint_from_tensor_reads_negative_words_as_unsigned() -> None:
+    value = torch.tensor([-1, -(2**63)], dtype=torch.int64)
+    assert fingerprint_from_tensor(value) == Fingerprint(MASK, 2**63)
+    with pytest.raises(ValueError, match="2 int64 values"):
+        fingerprint_from_tensor(torch.zeros(3, dtype=torch.int64))
+
+
+def test_unsupported_element_sizes_and_mixed_devices_are_refused() -> None:
+    with pytest.raises(FingerprintError, match="16-byte"):
+        weight_fingerprint([torch.zeros(2, dtype=torch.complex128)])
+    with pytest.raises(FingerprintError, match="several devices"):
+        fingerprint_on_device([torch.zeros(2), torch.zeros(2, device="meta")])
+
+
+def test_kernel_choice_is_validated() -> None:
+    fp.set_kernel("eager")
+    assert fp.get_kernel() is Kernel.EAGER
+    with pytest.raises(ValueError, match="bogus"):
+        fp.set_kernel("bogus")
