@@ -252,8 +252,13 @@ def _stop_all(procs: Sequence[Any], grace_s: float = 5.0) -> None:
 
 
 # -- one rank -------------------------------------------------------------------------------------
+_stop_requested = False
+
+
 def _raise_terminated(_signum: int, _frame: Any) -> None:
     # Once is enough: a second SIGTERM must not interrupt the unwinding (and the last report).
+    global _stop_requested
+    _stop_requested = True
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Terminated()
 
@@ -507,18 +512,23 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
             if guard is not None and guard.halted:
                 _log.warning("halted after the alarm at step %d", step, extra=extra)
                 break
-    except _Terminated:
-        # The spool keeps what is not sent; the stopper will not wait. Only rank 0 reports.
+    except BaseException:
+        # Once a stop was asked for, whatever ends the loop is the stop: the signal itself, or
+        # a collective failing because the peers already left. The spool keeps what is not
+        # sent (the stopper will not wait); only rank 0 reports.
+        if not _stop_requested:
+            raise
         terminating = True
         if rank != 0:
-            raise
+            raise _Terminated() from None
     finally:
         if trace is not None:
             trace.close()
-        if guard is not None:
-            guard.close()
-        if gate is not None:
-            gate.flush()
+        with _quiet_if(terminating):  # peers may be gone: cleanup must not hide the report
+            if guard is not None:
+                guard.close()
+            if gate is not None:
+                gate.flush()
         if sender is not None and not terminating:
             sender.close(timeout_s=10.0)  # what is not delivered by then stays spooled
     # A stopped run reports the weights after its last complete step: the signal may have
@@ -541,6 +551,16 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
         if rank == 0:
             _write_report(config, report)
     return report
+
+
+@contextlib.contextmanager
+def _quiet_if(stopping: bool) -> Iterator[None]:
+    try:
+        yield
+    except Exception:
+        if not stopping:
+            raise
+        _log.warning("cleanup after the stop failed", exc_info=True)
 
 
 def _step_ms(durations: Sequence[float]) -> dict[str, float]:

@@ -73,7 +73,8 @@ def replay_job_manifest(
         _quote(a) for a in ["python", "-m", "detection.harness", *_harness_args(request)]
     )
     script = (
-        f"set -e; {harness}; echo '{TRACE_BEGIN}'; cat /tmp/sdcguard-trace.jsonl; "
+        "set -e; rm -f /tmp/sdcguard-trace.jsonl /tmp/sdcguard-probe.json; "
+        f"{harness}; echo '{TRACE_BEGIN}'; cat /tmp/sdcguard-trace.jsonl; "
         f"if [ -f /tmp/sdcguard-probe.json ]; then echo '{PROBE_BEGIN}'; "
         f"cat /tmp/sdcguard-probe.json; echo; fi; echo '{END}'"
     )

@@ -834,11 +834,20 @@ class _Handler(BaseHTTPRequestHandler):
             headers={k.lower(): v for k, v in self.headers.items()},
         )
         response = self.fake._handle(request)
-        payload = b"" if response.body is None else json.dumps(response.body).encode()
+        headers = dict(response.headers)
+        content_type = headers.pop("Content-Type", "application/json")
+        if response.body is None:
+            payload = b""
+        elif isinstance(response.body, bytes):
+            payload = response.body
+        elif isinstance(response.body, str) and not content_type.startswith("application/json"):
+            payload = response.body.encode()  # e.g. a pod log (text/plain)
+        else:
+            payload = json.dumps(response.body).encode()
         self.send_response(response.status, HTTPStatus(response.status).phrase)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
-        for name, value in response.headers.items():
+        for name, value in headers.items():
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(payload)
