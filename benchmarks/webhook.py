@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -323,6 +324,9 @@ class _NoLedger:
         with self._lock:
             opened, self._opened = not self._opened, True
         return AlarmOutcome("00000000-0000-0000-0000-000000000000", False, opened)
+
+    def record_alarms(self, alarms: Sequence[object]) -> list[AlarmOutcome]:
+        return [self.record_alarm(alarm) for alarm in alarms]
 
 
 def _serve_without_ledger(port: int) -> None:

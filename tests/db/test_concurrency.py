@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
-from db import ActionStatus, IncidentState, Ledger
+from db import ActionStatus, AlarmOutcome, IncidentState, Ledger
 from db.models import ActionEventRow, AlarmRow, Base, IncidentRow
 from tests.db.support import make_alarm, register, run_concurrently
 
@@ -75,3 +75,51 @@ def test_first_alarms_of_an_unknown_job_at_once_create_it_once(ledger: Ledger) -
     [incident] = ledger.list_incidents("fresh")
     assert (incident.suspect_start, incident.suspect_end) == (0, 37)
     assert incident.ranks_missing is True
+
+
+def test_concurrent_batches_of_one_job_open_one_incident_and_store_each_alarm_once(
+    ledger: Ledger,
+) -> None:
+    """Eight webhook replicas each write a batch of the same storm; neighbours overlap by half,
+    as re-sent alarms do, so some ids race in two batches at once."""
+    register(ledger, "storm", world_size=8)
+    ledger.record_audit("storm", 20, "loss", [0, 1], passed=True)
+    alarms = [
+        make_alarm("storm", 30 + rank % 9, rank=rank, suspect_nodes=[f"node-{rank % 8}"])
+        for rank in range(8 * 16)
+    ]
+    batches = [alarms[16 * i : 16 * i + 32] for i in range(8)]  # the last one is half as long
+    outcomes = run_concurrently(len(batches), lambda i: ledger.record_alarms(batches[i]))
+
+    flat = [o for batch in outcomes for o in batch]
+    assert sum(o.opened for o in flat) == 1
+    assert sum(not o.duplicate for o in flat) == len(alarms)
+    assert len({o.incident_id for o in flat}) == 1
+    assert _count(ledger, AlarmRow) == len(alarms)
+    [incident] = ledger.list_incidents("storm")
+    assert (incident.suspect_start, incident.suspect_end) == (21, 38)
+    assert incident.suspect_nodes == [f"node-{n}" for n in range(8)]
+
+
+def test_concurrent_batches_spanning_jobs_end_in_one_incident_per_job(ledger: Ledger) -> None:
+    """Each batch names the same jobs in a different order, jobs the ledger has not seen yet
+    among them: every batch commits, and each job gets one incident holding all its alarms."""
+    jobs = [f"multi-{j}" for j in range(6)]
+    for job in jobs[:3]:
+        register(ledger, job)  # the other three are created by their first alarms
+
+    def batch(i: int) -> list[AlarmOutcome]:
+        order = jobs[i % len(jobs) :] + jobs[: i % len(jobs)]
+        if i % 2:
+            order.reverse()
+        return ledger.record_alarms([make_alarm(job, 40 + i) for job in order])
+
+    outcomes = run_concurrently(12, batch)
+    flat = [o for per_batch in outcomes for o in per_batch]
+    assert not any(o.duplicate for o in flat)
+    assert sum(o.opened for o in flat) == len(jobs)
+    for job in jobs:
+        [incident] = ledger.list_incidents(job)
+        assert (incident.suspect_start, incident.suspect_end) == (0, 51)
+        assert len(incident.alarms) == 12
+    assert _count(ledger, IncidentRow) == len(jobs)
