@@ -36,9 +36,9 @@ import boto3
 from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
-from botocore.exceptions import ConnectionError as BotoConnectionError
+from botocore.exceptions import BotoCoreError, ClientError
 
+from recovery.aws_errors import ServiceCodes, from_botocore
 from recovery.errors import (
     ConflictError,
     ForbiddenError,
@@ -46,7 +46,6 @@ from recovery.errors import (
     PermanentError,
     RecoveryError,
     TemporaryError,
-    ThrottledError,
 )
 
 __all__ = [
@@ -294,6 +293,15 @@ _S3_NOT_FOUND: Final = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"
 _S3_FORBIDDEN: Final = frozenset({"AccessDenied", "403", "InvalidAccessKeyId"})
 
 
+_S3_CODES: Final = ServiceCodes(
+    throttling=_S3_THROTTLING,
+    not_found=_S3_NOT_FOUND,
+    forbidden=_S3_FORBIDDEN,
+    temporary=("RequestTimeout", "InternalError"),
+    conflict_statuses=(409, 412),
+)
+
+
 def _s3_error(err: Exception, verb: str, target: str) -> RecoveryError:
     if isinstance(err, S3UploadFailedError):
         # boto3 raises it inside ``except ClientError`` without ``from``: the context holds
@@ -301,26 +309,9 @@ def _s3_error(err: Exception, verb: str, target: str) -> RecoveryError:
         inner = err.__cause__ or err.__context__
         if isinstance(inner, ClientError | BotoCoreError):
             err = inner
-    if isinstance(err, ClientError):
-        code = str(err.response.get("Error", {}).get("Code", ""))
-        status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        reason = f"{code or status}: {err.response.get('Error', {}).get('Message', err)}"
-        if code in _S3_THROTTLING or status == 429:
-            return ThrottledError("s3", verb, target, reason)
-        if code in _S3_NOT_FOUND or status == 404:
-            return NotFoundError("s3", verb, target, reason)
-        if code in _S3_FORBIDDEN or status == 403:
-            return ForbiddenError("s3", verb, target, reason)
-        if status in (409, 412):
-            return ConflictError("s3", verb, target, reason)
-        if status >= 500 or code in ("RequestTimeout", "InternalError"):
-            return TemporaryError("s3", verb, target, reason)
-        return PermanentError("s3", verb, target, reason)
-    if isinstance(err, BotoConnectionError | HTTPClientError):
-        return TemporaryError("s3", verb, target, f"connection: {err}")
-    if isinstance(err, S3UploadFailedError):
-        return TemporaryError("s3", verb, target, str(err))
-    return PermanentError("s3", verb, target, f"{type(err).__name__}: {err}")
+        else:
+            return TemporaryError("s3", verb, target, str(err))
+    return from_botocore(err, system="s3", verb=verb, target=target, codes=_S3_CODES)
 
 
 def _s3_client(

@@ -41,20 +41,15 @@ from botocore.config import Config
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    HTTPClientError,
-    NoCredentialsError,
-    ParamValidationError,
 )
-from botocore.exceptions import ConnectionError as BotoConnectionError
 
+from recovery.aws_errors import ServiceCodes, from_botocore
 from recovery.errors import (
     ConflictError,
-    ForbiddenError,
     NotFoundError,
     PermanentError,
     RecoveryError,
     TemporaryError,
-    ThrottledError,
 )
 
 __all__ = [
@@ -279,30 +274,17 @@ def sagemaker_client(
     return source.client("sagemaker", endpoint_url=endpoint_url, config=config)
 
 
+_CODES: Final = ServiceCodes(
+    throttling=_THROTTLING_CODES,
+    not_found=_NOT_FOUND_CODES,
+    forbidden=_FORBIDDEN_CODES,
+    conflict=_CONFLICT_CODES,
+)
+
+
 def _error_from_aws(err: Exception, verb: str, target: str) -> RecoveryError:
     """Map a botocore error to the temporary/permanent split flows retry on."""
-    if isinstance(err, ClientError):
-        code = str(err.response.get("Error", {}).get("Code", ""))
-        status = int(err.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-        reason = f"{code or status}: {err.response.get('Error', {}).get('Message', err)}"
-        if code in _THROTTLING_CODES or status == 429:
-            return ThrottledError(_SYSTEM, verb, target, reason)
-        if code in _NOT_FOUND_CODES or status == 404:
-            return NotFoundError(_SYSTEM, verb, target, reason)
-        if code in _FORBIDDEN_CODES or status == 403:
-            return ForbiddenError(_SYSTEM, verb, target, reason)
-        if code in _CONFLICT_CODES or status == 409:
-            return ConflictError(_SYSTEM, verb, target, reason)
-        if status >= 500:
-            return TemporaryError(_SYSTEM, verb, target, reason)
-        return PermanentError(_SYSTEM, verb, target, reason)
-    if isinstance(err, BotoConnectionError | HTTPClientError):
-        return TemporaryError(_SYSTEM, verb, target, f"connection: {err}")
-    if isinstance(err, NoCredentialsError):
-        return ForbiddenError(_SYSTEM, verb, target, str(err))
-    if isinstance(err, ParamValidationError):
-        return PermanentError(_SYSTEM, verb, target, f"invalid request: {err}")
-    return PermanentError(_SYSTEM, verb, target, f"{type(err).__name__}: {err}")
+    return from_botocore(err, system=_SYSTEM, verb=verb, target=target, codes=_CODES)
 
 
 class HyperPod:

@@ -151,7 +151,7 @@ def status_message(err: ApiException) -> str:
     return f"HTTP {err.status} {err.reason or ''}".strip()
 
 
-def translate(err: BaseException, *, verb: str, target: str) -> RecoveryError:
+def translate(err: BaseException, *, verb: str, target: str, system: str = SYSTEM) -> RecoveryError:
     """Map a client failure to the typed error flows act on (see the module docstring)."""
     if isinstance(err, RecoveryError):
         return err
@@ -159,19 +159,19 @@ def translate(err: BaseException, *, verb: str, target: str) -> RecoveryError:
         status = err.status or 0
         reason = f"HTTP {status}: {status_message(err)}" if status else status_message(err)
         if status == 404:
-            return NotFoundError(SYSTEM, verb, target, reason)
+            return NotFoundError(system, verb, target, reason)
         if status in (401, 403):
-            return ForbiddenError(SYSTEM, verb, target, reason)
+            return ForbiddenError(system, verb, target, reason)
         if status == 409:
-            return ConflictError(SYSTEM, verb, target, reason)
+            return ConflictError(system, verb, target, reason)
         if status == 429:
-            return ThrottledError(SYSTEM, verb, target, reason)
+            return ThrottledError(system, verb, target, reason)
         if status == 0 or status >= 500:
-            return TemporaryError(SYSTEM, verb, target, reason)
-        return PermanentError(SYSTEM, verb, target, reason)
+            return TemporaryError(system, verb, target, reason)
+        return PermanentError(system, verb, target, reason)
     if isinstance(err, Urllib3HTTPError | OSError):
-        return TemporaryError(SYSTEM, verb, target, f"connection failed: {err}")
-    return PermanentError(SYSTEM, verb, target, f"{type(err).__name__}: {err}")
+        return TemporaryError(system, verb, target, f"connection failed: {err}")
+    return PermanentError(system, verb, target, f"{type(err).__name__}: {err}")
 
 
 def call(verb: str, target: str, fn: Callable[[], _T]) -> _T:

@@ -45,6 +45,7 @@ __all__ = [
     "diagnose",
     "first_diverging_module",
     "first_mismatch",
+    "harness_args",
     "load_trace",
 ]
 
@@ -148,6 +149,29 @@ class ReplayRunner(Protocol):
     def replay(self, request: ReplayRequest) -> ReplayResult:
         """Recompute steps ``request.start .. request.end`` on ``request.node``."""
         ...
+
+
+def harness_args(request: ReplayRequest, *, trace: Path | str, probe: Path | str) -> list[str]:
+    """``sdcguard train`` options that recompute ``request``: every rank on the one node, from
+    the checkpoint, with the job's own seed, thread count and node-bound (hardware) faults."""
+    spec = request.spec
+    args = [
+        "--world-size", str(spec.world_size),
+        "--nodes", ",".join([request.node] * spec.world_size),
+        "--seed", str(spec.seed),
+        "--steps", str(request.end + 1),
+        "--audit-every", "0",
+        "--audit-mode", spec.audit_mode,
+        "--threads", str(spec.threads),
+        "--resume-from", request.checkpoint_uri,
+        "--job-id", f"{request.job_id}-replay-{request.node}",
+        "--trace", str(trace),
+    ]  # fmt: skip
+    for fault in spec.persistent_faults():
+        args += ["--inject", fault]
+    if request.probe_step is not None:
+        args += ["--probe-step", str(request.probe_step), "--probe", str(probe)]
+    return args
 
 
 def load_trace(path: Path) -> list[StepRecord]:
@@ -314,23 +338,7 @@ class LocalReplayRunner:
         out = Path(tempfile.mkdtemp(prefix=f"replay-{request.node}-", dir=self._workdir))
         trace = out / "trace.jsonl"
         probe = out / "probe.json"
-        spec = request.spec
-        args = [
-            "--world-size", str(spec.world_size),
-            "--nodes", ",".join([request.node] * spec.world_size),
-            "--seed", str(spec.seed),
-            "--steps", str(request.end + 1),
-            "--audit-every", "0",
-            "--audit-mode", spec.audit_mode,
-            "--threads", str(spec.threads),
-            "--resume-from", request.checkpoint_uri,
-            "--job-id", f"{request.job_id}-replay-{request.node}",
-            "--trace", str(trace),
-        ]  # fmt: skip
-        for fault in spec.persistent_faults():
-            args += ["--inject", fault]
-        if request.probe_step is not None:
-            args += ["--probe-step", str(request.probe_step), "--probe", str(probe)]
+        args = harness_args(request, trace=trace, probe=probe)
         argv = [*self._command, *args]
         if self._on_launch is not None:
             self._on_launch(argv)

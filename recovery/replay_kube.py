@@ -21,7 +21,7 @@ from kubernetes import client as k8s
 
 from recovery.errors import PermanentError, TemporaryError
 from recovery.kube import call
-from recovery.replay import ReplayRequest, ReplayResult, StepRecord
+from recovery.replay import ReplayRequest, ReplayResult, StepRecord, harness_args
 
 __all__ = ["KubeReplayRunner", "parse_replay_log", "replay_job_manifest"]
 
@@ -31,6 +31,8 @@ TRACE_BEGIN = "=== sdcguard replay trace ==="
 PROBE_BEGIN = "=== sdcguard replay probe ==="
 END = "=== sdcguard replay end ==="
 SUSPECT_TAINT_KEY = "sdcguard.io/suspect"
+_TRACE = "/tmp/sdcguard-trace.jsonl"
+_PROBE = "/tmp/sdcguard-probe.json"
 
 
 def _job_name(request: ReplayRequest) -> str:
@@ -39,25 +41,6 @@ def _job_name(request: ReplayRequest) -> str:
         raw += f"-p{request.probe_step}"
     name = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")
     return name[:63].rstrip("-")
-
-
-def _harness_args(request: ReplayRequest) -> list[str]:
-    spec = request.spec
-    args = [
-        "--world-size", str(spec.world_size),
-        "--nodes", ",".join([request.node] * spec.world_size),
-        "--seed", str(spec.seed),
-        "--steps", str(request.end + 1),
-        "--audit-every", "0",
-        "--audit-mode", spec.audit_mode,
-        "--threads", str(spec.threads),
-        "--resume-from", request.checkpoint_uri,
-        "--job-id", f"{request.job_id}-replay-{request.node}",
-        "--trace", "/tmp/sdcguard-trace.jsonl",
-    ]  # fmt: skip
-    if request.probe_step is not None:
-        args += ["--probe-step", str(request.probe_step), "--probe", "/tmp/sdcguard-probe.json"]
-    return args
 
 
 def replay_job_manifest(
@@ -70,13 +53,19 @@ def replay_job_manifest(
 ) -> dict[str, Any]:
     """The batch/v1 Job that replays ``request`` on ``request.node`` and prints its results."""
     harness = " ".join(
-        _quote(a) for a in ["python", "-m", "detection.harness", *_harness_args(request)]
+        _quote(a)
+        for a in [
+            "python",
+            "-m",
+            "detection.harness",
+            *harness_args(request, trace=_TRACE, probe=_PROBE),
+        ]
     )
     script = (
-        "set -e; rm -f /tmp/sdcguard-trace.jsonl /tmp/sdcguard-probe.json; "
-        f"{harness}; echo '{TRACE_BEGIN}'; cat /tmp/sdcguard-trace.jsonl; "
-        f"if [ -f /tmp/sdcguard-probe.json ]; then echo '{PROBE_BEGIN}'; "
-        f"cat /tmp/sdcguard-probe.json; echo; fi; echo '{END}'"
+        f"set -e; rm -f {_TRACE} {_PROBE}; "
+        f"{harness}; echo '{TRACE_BEGIN}'; cat {_TRACE}; "
+        f"if [ -f {_PROBE} ]; then echo '{PROBE_BEGIN}'; "
+        f"cat {_PROBE}; echo; fi; echo '{END}'"
     )
     container: dict[str, Any] = {
         "name": "replay",

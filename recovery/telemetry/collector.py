@@ -27,14 +27,12 @@ from kubernetes.stream import stream
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from recovery.errors import (
-    ConflictError,
-    ForbiddenError,
     NotFoundError,
     PermanentError,
     RecoveryError,
     TemporaryError,
-    ThrottledError,
 )
+from recovery.kube import translate
 from recovery.telemetry.dcgm_exporter import ExporterScrape, parse_dcgm_exporter
 from recovery.telemetry.dcgmi_diag import DiagReport, parse_dcgmi_diag
 from recovery.telemetry.errors import TelemetryToolError
@@ -200,22 +198,6 @@ class FixtureTelemetry:
         )
 
 
-def _api_error(err: ApiException, system: str, verb: str, target: str) -> RecoveryError:
-    reason = f"HTTP {err.status} {err.reason}"
-    status = err.status or 0
-    if status == 404:
-        return NotFoundError(system, verb, target, reason)
-    if status in (401, 403):
-        return ForbiddenError(system, verb, target, reason)
-    if status == 409:
-        return ConflictError(system, verb, target, reason)
-    if status == 429:
-        return ThrottledError(system, verb, target, reason)
-    if status == 0 or status >= 500:
-        return TemporaryError(system, verb, target, reason)
-    return PermanentError(system, verb, target, reason)
-
-
 class KubeTelemetry:
     """Real backend: dcgm-exporter over HTTP, the other tools in a diagnostic pod on the node.
 
@@ -284,7 +266,7 @@ class KubeTelemetry:
                 field_selector=f"spec.nodeName={node}",
             )
         except ApiException as err:
-            raise _api_error(err, "kubernetes", "list pods", target) from err
+            raise translate(err, verb="list pods", target=target) from err
         except Urllib3Error as err:
             raise TemporaryError("kubernetes", "list pods", target, str(err)) from err
         running: list[tuple[str, str]] = sorted(
@@ -396,7 +378,7 @@ class KubeTelemetry:
             # The client serialises a plain manifest dict exactly as it would a V1Pod.
             self._core.create_namespaced_pod(self._namespace, self._pod_manifest(node, name))  # type: ignore[arg-type]
         except ApiException as err:
-            raise _api_error(err, "kubernetes", "create pod", target) from err
+            raise translate(err, verb="create pod", target=target) from err
         except Urllib3Error as err:
             raise TemporaryError("kubernetes", "create pod", target, str(err)) from err
         _LOG.info("diagnostic pod created", extra={"node": node, "pod": target})
@@ -418,7 +400,7 @@ class KubeTelemetry:
                 if phase in ("Failed", "Succeeded"):
                     raise PermanentError("kubernetes", "start pod", target, f"pod {phase}")
         except ApiException as err:
-            raise _api_error(err, "kubernetes", "watch pod", target) from err
+            raise translate(err, verb="watch pod", target=target) from err
         except Urllib3Error as err:
             raise TemporaryError("kubernetes", "watch pod", target, str(err)) from err
         finally:
@@ -453,7 +435,7 @@ class KubeTelemetry:
             stderr = str(websocket.read_stderr(timeout=0))
             returncode = websocket.returncode
         except ApiException as err:
-            raise _api_error(err, "kubernetes", "exec in pod", target) from err
+            raise translate(err, verb="exec in pod", target=target) from err
         if returncode != 0:
             _LOG.warning(
                 "telemetry command exited non-zero",
@@ -477,6 +459,6 @@ class KubeTelemetry:
         except ApiException as err:
             if err.status == 404:
                 return
-            raise _api_error(err, "kubernetes", "delete pod", target) from err
+            raise translate(err, verb="delete pod", target=target) from err
         except Urllib3Error as err:
             raise TemporaryError("kubernetes", "delete pod", target, str(err)) from err
