@@ -212,8 +212,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
         finally:
             _stop_all(procs)
         report: dict[str, Any] = json.loads(result_path.read_text())
-    _write_report(config, report)
-    return report
+    return report  # rank 0 wrote it to config.report already
 
 
 def _write_report(config: TrainConfig, report: dict[str, Any]) -> None:
@@ -512,6 +511,9 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
             if guard is not None and guard.halted:
                 _log.warning("halted after the alarm at step %d", step, extra=extra)
                 break
+        # Every step is done: a stop arriving now (the incident flow stops training right after
+        # the alarm) must not cost the report, so the little that is left runs to its end.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except BaseException:
         # Once a stop was asked for, whatever ends the loop is the stop: the signal itself, or
         # a collective failing because the peers already left. The spool keeps what is not
@@ -529,8 +531,6 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                 guard.close()
             if gate is not None:
                 gate.flush()
-        if sender is not None and not terminating:
-            sender.close(timeout_s=10.0)  # what is not delivered by then stays spooled
     # A stopped run reports the weights after its last complete step: the signal may have
     # landed inside an update, so the live tensors are not a state any step produced.
     final = completed_fp if terminating and completed_fp is not None else weight_fingerprint(params)
@@ -548,8 +548,12 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
         # Stopped (the incident flow stops training): rank 0 still reports what the job did up
         # to its last complete step — its alarms and checkpoints are the incident's evidence.
         report["stopped_after_step"] = completed
-        if rank == 0:
-            _write_report(config, report)
+    if rank == 0:
+        # Written here, before the webhook flush, not by the launcher: a launcher that is
+        # stopped meanwhile would lose it.
+        _write_report(config, report)
+    if sender is not None and not terminating:
+        sender.close(timeout_s=10.0)  # what is not delivered by then stays spooled
     return report
 
 

@@ -61,6 +61,7 @@ class ApprovalDecision(RunInput):
     """The approval form on the paused incident run."""
 
     decision: ApprovalChoice = Field(
+        title="Decision",
         description="approve: replace or reboot the node and resume; reject: leave it alone.",
     )
     approver: str = Field(
