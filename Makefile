@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha256
 
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export DO_NOT_TRACK := 1
+# Prefect's temporary server takes 17-24 s to start on two cores; its default timeout is 20 s.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 
 .PHONY: demo test lint format install clean bench
 
