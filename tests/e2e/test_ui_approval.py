@@ -26,9 +26,8 @@ from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from db import IncidentState
-from flows.approval import ApprovalChoice, flow_run_name
+from flows.approval import ApprovalChoice, artifact_key, flow_run_name
 from flows.policy import IncidentPolicy
-from flows.stages import Stage
 from tests.e2e.conftest import UI_TIMEOUT_MS, IncidentFlowThread, PrefectUI
 from tests.flows.test_incident import FAULTY, Site
 
@@ -129,11 +128,12 @@ def test_an_approver_resolves_the_incident_through_the_prefect_ui_form(
     assert run.state is not None
     assert run.state.is_completed(), run.state
 
-    # The run's page now: completed, and the stages after the approval ran in it.
+    # The run's page now: completed, with the incident report the flow published after the
+    # approval. (Task runs are not checked here: they reach a server through Prefect's events
+    # worker, a per-process singleton that may still point at another test's server.)
     page.reload()
     expect(page.get_by_text("Completed", exact=True).first).to_be_visible(timeout=UI_TIMEOUT_MS)
-    page.get_by_role("tab", name="Task Runs", exact=True).click()
-    for stage in (Stage.REPLACE, Stage.QUARANTINE, Stage.RESUME):
-        task_run = page.get_by_text(f"{stage.value}-{site.incident_id}", exact=True)
-        expect(task_run.first).to_be_visible(timeout=UI_TIMEOUT_MS)
+    page.get_by_role("tab", name="Artifacts", exact=True).click()
+    report_key = artifact_key(site.incident_id, "report")
+    expect(page.get_by_text(report_key).first).to_be_visible(timeout=UI_TIMEOUT_MS)
     page.screenshot(path=str(ui_artifacts / "run-completed.png"), full_page=True)
