@@ -179,6 +179,8 @@ class _KubeJobControl(abc.ABC):
         self._conflict_retries = conflict_retries
         self._conflict_backoff_s = conflict_backoff_s
         self._sleep = sleep
+        self._custom = k8s.CustomObjectsApi(api_client)
+        self._batch = k8s.BatchV1Api(api_client)
 
     # backend specifics
     @abc.abstractmethod
@@ -327,22 +329,6 @@ class PyTorchJobControl(_KubeJobControl):
     _label = "pytorchjob"
     GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 
-    def __init__(
-        self,
-        api_client: k8s.ApiClient,
-        *,
-        conflict_retries: int = 5,
-        conflict_backoff_s: float = 0.05,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        super().__init__(
-            api_client,
-            conflict_retries=conflict_retries,
-            conflict_backoff_s=conflict_backoff_s,
-            sleep=sleep,
-        )
-        self._custom = k8s.CustomObjectsApi(api_client)
-
     def _read(self, job: JobRef) -> dict[str, Any]:
         obj = self._custom.get_namespaced_custom_object(
             self.GROUP, self.VERSION, job.namespace, self.PLURAL, job.name
@@ -418,22 +404,6 @@ class BatchJobControl(_KubeJobControl):
 
     _kind = JobKind.BATCH_JOB
     _label = "job"
-
-    def __init__(
-        self,
-        api_client: k8s.ApiClient,
-        *,
-        conflict_retries: int = 5,
-        conflict_backoff_s: float = 0.05,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        super().__init__(
-            api_client,
-            conflict_retries=conflict_retries,
-            conflict_backoff_s=conflict_backoff_s,
-            sleep=sleep,
-        )
-        self._batch = k8s.BatchV1Api(api_client)
 
     def _read(self, job: JobRef) -> dict[str, Any]:
         raw = self._batch.read_namespaced_job(job.name, job.namespace)
