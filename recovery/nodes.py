@@ -25,6 +25,7 @@ activate the same recovery process.
 
 from __future__ import annotations
 
+import abc
 import logging
 import re
 import time
@@ -258,7 +259,64 @@ def _now() -> str:
 # -- Kubernetes backend ------------------------------------------------------------------
 
 
-class KubeNodeOps:
+class _PlannedNodeOps(abc.ABC):
+    """The node changes both backends make, written once: each verb is a pure plan over the
+    node's current state (``_plan_*``); a backend only knows how to read and write a node."""
+
+    _cordon_reason: str
+
+    def cordon(self, node: str, incident_id: str) -> bool:
+        reason = self._cordon_reason
+        return self._do(
+            node, "cordon", incident_id, lambda i: _plan_cordon(i, incident_id, reason, _now())
+        )
+
+    def taint(self, node: str, incident_id: str) -> bool:
+        return self._do(node, "taint", incident_id, lambda i: _plan_taint(i, incident_id))
+
+    def uncordon(self, node: str, incident_id: str) -> bool:
+        return self._do(node, "uncordon", incident_id, lambda i: _plan_uncordon(i, incident_id))
+
+    def mark_for_replacement(self, node: str, incident_id: str) -> bool:
+        return self._do(
+            node,
+            "mark-for-replacement",
+            incident_id,
+            lambda i: _plan_health(i, incident_id, NodeHealth.PENDING_REPLACEMENT),
+        )
+
+    def mark_for_reboot(self, node: str, incident_id: str) -> bool:
+        return self._do(
+            node,
+            "mark-for-reboot",
+            incident_id,
+            lambda i: _plan_health(i, incident_id, NodeHealth.PENDING_REBOOT),
+        )
+
+    def _do(
+        self,
+        node: str,
+        verb: str,
+        incident_id: str,
+        plan: Callable[[NodeInfo], tuple[_NodeChange, bool]],
+    ) -> bool:
+        _check_incident(incident_id)
+        done = self._change(node, verb, incident_id, plan)
+        _log_outcome(verb, node, incident_id, done)
+        return done
+
+    @abc.abstractmethod
+    def _change(
+        self,
+        node: str,
+        verb: str,
+        incident_id: str,
+        plan: Callable[[NodeInfo], tuple[_NodeChange, bool]],
+    ) -> bool:
+        """Apply ``plan`` to the node's current state; return what the plan says was done."""
+
+
+class KubeNodeOps(_PlannedNodeOps):
     """:class:`NodeOps` on a real cluster through the official Kubernetes client.
 
     Needs RBAC: ``get``/``patch`` on ``nodes``, ``list`` on ``pods`` (all namespaces) and
@@ -289,49 +347,6 @@ class KubeNodeOps:
     def get(self, node: str) -> NodeInfo:
         raw = kube.call("get", f"node/{node}", lambda: self._core.read_node(node))
         return _node_info(raw)
-
-    def cordon(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        reason = self._cordon_reason
-        done = self._change(
-            node, "cordon", incident_id, lambda i: _plan_cordon(i, incident_id, reason, _now())
-        )
-        _log_outcome("cordon", node, incident_id, done)
-        return done
-
-    def taint(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        done = self._change(node, "taint", incident_id, lambda i: _plan_taint(i, incident_id))
-        _log_outcome("taint", node, incident_id, done)
-        return done
-
-    def uncordon(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        done = self._change(node, "uncordon", incident_id, lambda i: _plan_uncordon(i, incident_id))
-        _log_outcome("uncordon", node, incident_id, done)
-        return done
-
-    def mark_for_replacement(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        done = self._change(
-            node,
-            "mark-for-replacement",
-            incident_id,
-            lambda i: _plan_health(i, incident_id, NodeHealth.PENDING_REPLACEMENT),
-        )
-        _log_outcome("mark-for-replacement", node, incident_id, done)
-        return done
-
-    def mark_for_reboot(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        done = self._change(
-            node,
-            "mark-for-reboot",
-            incident_id,
-            lambda i: _plan_health(i, incident_id, NodeHealth.PENDING_REBOOT),
-        )
-        _log_outcome("mark-for-reboot", node, incident_id, done)
-        return done
 
     def evict_pods(self, node: str, label_selector: str | None = None) -> EvictionResult:
         """Evict every pod on ``node`` through the Eviction API, honouring PodDisruptionBudgets.
@@ -528,7 +543,7 @@ def _log_outcome(verb: str, node: str, incident_id: str, done: bool) -> None:
 # -- local backend -----------------------------------------------------------------------
 
 
-class LocalNodeOps:
+class LocalNodeOps(_PlannedNodeOps):
     """:class:`NodeOps` on the simulated cluster, with exactly the decisions of
     :class:`KubeNodeOps`. The simulated cluster runs no pods (local training processes are
     controlled by ``recovery.jobs.LocalJobControl``), so eviction finds nothing to evict."""
@@ -542,51 +557,16 @@ class LocalNodeOps:
     def get(self, node: str) -> NodeInfo:
         return self._cluster.node(node)
 
-    def cordon(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        reason = self._cordon_reason
-        done = self._change(node, "cordon", lambda i: _plan_cordon(i, incident_id, reason, _now()))
-        _log_outcome("cordon", node, incident_id, done)
-        return done
-
-    def taint(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        done = self._change(node, "taint", lambda i: _plan_taint(i, incident_id))
-        _log_outcome("taint", node, incident_id, done)
-        return done
-
-    def uncordon(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        done = self._change(node, "uncordon", lambda i: _plan_uncordon(i, incident_id))
-        _log_outcome("uncordon", node, incident_id, done)
-        return done
-
-    def mark_for_replacement(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        done = self._change(
-            node,
-            "mark-for-replacement",
-            lambda i: _plan_health(i, incident_id, NodeHealth.PENDING_REPLACEMENT),
-        )
-        _log_outcome("mark-for-replacement", node, incident_id, done)
-        return done
-
-    def mark_for_reboot(self, node: str, incident_id: str) -> bool:
-        _check_incident(incident_id)
-        done = self._change(
-            node,
-            "mark-for-reboot",
-            lambda i: _plan_health(i, incident_id, NodeHealth.PENDING_REBOOT),
-        )
-        _log_outcome("mark-for-reboot", node, incident_id, done)
-        return done
-
     def evict_pods(self, node: str, label_selector: str | None = None) -> EvictionResult:
         self._cluster.node(node, verb="evict")  # same NotFoundError as the real backend
         return EvictionResult(node=node)
 
     def _change(
-        self, node: str, verb: str, plan: Callable[[NodeInfo], tuple[_NodeChange, bool]]
+        self,
+        node: str,
+        verb: str,
+        incident_id: str,
+        plan: Callable[[NodeInfo], tuple[_NodeChange, bool]],
     ) -> bool:
         def apply(record: NodeRecord) -> bool:
             change, result = plan(record.info())
