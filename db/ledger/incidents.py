@@ -1,0 +1,182 @@
+"""Incidents: their state machine, the fields recorded with each move, and how to list them.
+
+Invariants: at most one non-terminal incident per job; every move is legal by
+:func:`db.enums.can_transition` and appends a row to the incident's history; a terminal
+incident's record is final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from db.enums import IncidentState, Verdict, can_transition
+from db.errors import IllegalTransition, IncidentConflict, InvalidValue
+from db.ledger._base import LedgerBase, _log
+from db.ledger._queries import _active_incident, _new_incident, _require_incident
+from db.ledger._validate import (
+    _json_dict,
+    _jsonable_updates,
+    _optional_text,
+    _parse_enum,
+    _require_range,
+    _require_text,
+)
+from db.ledger._views import _incident_view, _incident_views
+from db.models import IncidentEventRow, IncidentRow
+from db.views import IncidentView
+
+
+class IncidentsMixin(LedgerBase):
+    """:class:`db.ledger.Ledger`'s incident methods."""
+
+    def open_incident(
+        self, job_id: str, *, start: int, end: int, suspect_nodes: Sequence[str]
+    ) -> IncidentView:
+        """Open an incident by hand (e.g. an operator's report); alarms usually do this."""
+        _require_text("job_id", job_id)
+        _require_range(start, end)
+        nodes = [_require_text("suspect node", n) for n in suspect_nodes]
+
+        def work(s: Session) -> IncidentView:
+            self._require_job(s, job_id, lock=True)
+            active = _active_incident(s, job_id)
+            if active is not None:
+                raise IncidentConflict(job_id, active.id)
+            row = _new_incident(
+                s,
+                job_id,
+                now=self._clock(),
+                start=start,
+                end=end,
+                suspect_nodes=nodes,
+                reason="opened by request",
+            )
+            return _incident_view(s, row)
+
+        view = self._write("open_incident", work)
+        _log.info("incident opened", extra={"job": job_id, "incident": view.id})
+        return view
+
+    def open_incident_for(self, job_id: str) -> IncidentView | None:
+        """The job's non-terminal incident, if it has one (at most one exists)."""
+
+        def work(s: Session) -> IncidentView | None:
+            row = _active_incident(s, job_id)
+            return None if row is None else _incident_view(s, row)
+
+        return self._read("open_incident_for", work)
+
+    def get_incident(self, incident_id: str) -> IncidentView:
+        """The incident with its alarms, actions and history."""
+
+        def work(s: Session) -> IncidentView:
+            return _incident_view(s, _require_incident(s, incident_id))
+
+        return self._read("get_incident", work)
+
+    def list_incidents(
+        self, job_id: str | None = None, state: IncidentState | None = None
+    ) -> list[IncidentView]:
+        """Incidents, newest first, optionally of one job and/or in one state."""
+        wanted = None if state is None else _parse_enum(IncidentState, "state", state)
+
+        def work(s: Session) -> list[IncidentView]:
+            query = select(IncidentRow)
+            if job_id is not None:
+                query = query.where(IncidentRow.job_id == job_id)
+            if wanted is not None:
+                query = query.where(IncidentRow.state == wanted)
+            rows = list(s.scalars(query.order_by(IncidentRow.opened_at.desc(), IncidentRow.id)))
+            return _incident_views(s, rows)
+
+        return self._read("list_incidents", work)
+
+    def transition(
+        self,
+        incident_id: str,
+        to: IncidentState,
+        *,
+        reason: str | None = None,
+        verdict: Verdict | None = None,
+        evidence: dict[str, Any] | None = None,
+        approver: str | None = None,
+        approval_reason: str | None = None,
+        decision: str | None = None,
+        storm: bool | None = None,
+    ) -> IncidentView:
+        """Move an incident along its state machine, recording the given fields with the move.
+
+        See :func:`db.enums.can_transition` for the legal moves. Moving to the current state
+        changes nothing unless new field values come with it; those are recorded while the
+        incident is live, and refused once it is terminal (a closed record is final). With
+        ``storm=True`` the ``reason`` is kept as the storm reason. Every change appends a row
+        to the incident's history.
+        """
+        target = _parse_enum(IncidentState, "state", to)
+        given: dict[str, Any] = {
+            "verdict": None if verdict is None else _parse_enum(Verdict, "verdict", verdict),
+            "evidence": None if evidence is None else _json_dict("evidence", evidence),
+            "approver": _optional_text("approver", approver),
+            "approval_reason": approval_reason,
+            "decision": _optional_text("decision", decision, max_len=64),
+            "storm": storm,
+        }
+        if storm is not None and not isinstance(storm, bool):
+            raise InvalidValue(f"storm must be a bool, not {storm!r}")
+
+        def work(s: Session) -> IncidentView:
+            row = _require_incident(s, incident_id, lock=True)
+            current = row.state
+            if not can_transition(current, target):
+                raise IllegalTransition(incident_id, current, target)
+            updates = {
+                name: value
+                for name, value in given.items()
+                if value is not None and getattr(row, name) != value
+            }
+            if current == target and not updates:
+                return _incident_view(s, row)
+            if current == target and current.terminal:
+                raise IllegalTransition(
+                    incident_id,
+                    current,
+                    target,
+                    f"its record is final; refusing to change {', '.join(sorted(updates))}",
+                )
+            now = self._clock()
+            for name, value in updates.items():
+                setattr(row, name, value)
+            if "approver" in updates or "decision" in updates:
+                row.decided_at = now
+            if storm is not None:
+                row.storm_reason = reason if storm else None
+            if current != target:
+                row.state = target
+                if reason is not None:
+                    row.reason = reason
+                if target.terminal:
+                    row.closed_at = now
+            row.updated_at = now
+            s.add(
+                IncidentEventRow(
+                    incident_id=row.id,
+                    from_state=current,
+                    to_state=target,
+                    reason=reason,
+                    detail=_jsonable_updates(updates) or None,
+                    at=now,
+                )
+            )
+            s.flush()
+            return _incident_view(s, row)
+
+        view = self._write("transition", work)
+        _log.info(
+            "incident transition",
+            extra={"incident": incident_id, "job": view.job_id, "state": view.state.value},
+        )
+        return view
