@@ -1,0 +1,234 @@
+"""What every stage shares: the stage and action kinds, the two ledger records, the decorator.
+
+:func:`record_stage` makes a stage one ledger action and :func:`perform` makes each side effect
+one (the two rules in :mod:`flows.stages`); :func:`stage` turns a stage body into the Prefect
+task the runbook calls. The ledger helpers below read and move the incident the same way in
+every stage, so a re-run finds it where an earlier run left it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from enum import StrEnum
+from typing import Any
+
+from prefect import Task, task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
+
+from db import (
+    ActionStatus,
+    IncidentState,
+    IncidentView,
+    LedgerTemporaryError,
+    Verdict,
+    can_transition,
+)
+from flows.policy import IncidentPolicy
+from flows.report import STAGE_KIND
+from flows.wiring import Backends, current_backends
+from recovery.errors import TemporaryError
+
+__all__ = [
+    "Action",
+    "Stage",
+    "StageOutcome",
+    "StageTask",
+    "advance",
+    "close",
+    "implicated_nodes",
+    "log_extra",
+    "nodes_to_fix",
+    "perform",
+    "record_stage",
+    "retry_on_temporary",
+    "stage",
+    "verdict_of",
+    "with_evidence",
+]
+
+log = logging.getLogger(__name__)
+
+StageOutcome = dict[str, Any]
+StageTask = Task[[str, IncidentPolicy], StageOutcome]
+
+
+class Stage(StrEnum):
+    """The runbook's stages, in the order the flow reaches them."""
+
+    TRIAGE = "triage"
+    STOP = "stop"
+    CORDON = "cordon"
+    TELEMETRY = "telemetry"
+    REPLAY = "replay"
+    APPROVAL = "approval"
+    REPLACE = "replace"
+    QUARANTINE = "quarantine"
+    RESUME = "resume"
+    RELEASE = "release"
+
+
+class Action(StrEnum):
+    """Side effects on outside systems; each is a ledger action of this kind per target."""
+
+    STOP_JOB = "stop-job"
+    CORDON = "cordon"
+    TAINT = "taint"
+    UNCORDON = "uncordon"
+    REPLACE = "replace"
+    REBOOT = "reboot"
+    RESUME = "resume"
+
+
+# -- recording ---------------------------------------------------------------------------
+
+
+def retry_on_temporary(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
+    """Prefect retry condition: retry only what the same call may get right later."""
+    try:
+        state.result()
+    except (TemporaryError, LedgerTemporaryError):
+        return True
+    except Exception:
+        return False
+    return False
+
+
+def log_extra(incident_id: str, stage: Stage | str, **more: Any) -> dict[str, Any]:
+    return {"incident": incident_id, "stage": str(stage), **more}
+
+
+def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome]) -> StageOutcome:
+    """Run ``body`` as the ledger action ``<incident>:stage:<stage>``; skip it once succeeded."""
+    ledger = current_backends().ledger
+    claim = ledger.claim_action(incident_id, STAGE_KIND, stage.value)
+    extra = log_extra(incident_id, stage)
+    if not claim.won and claim.action.status is ActionStatus.SUCCEEDED:
+        log.info("stage %s already done; not repeated", stage, extra=extra)
+        return dict(claim.action.detail or {})
+    if not claim.won:
+        log.warning("stage %s was interrupted in an earlier run; continuing", stage, extra=extra)
+    log.info("stage %s started", stage, extra=extra)
+    try:
+        outcome = body()
+    except Exception as err:
+        ledger.finish_action(
+            claim.action.key,
+            ActionStatus.FAILED,
+            {"outcome": f"failed: {err}", "error": f"{type(err).__name__}: {err}"},
+        )
+        log.error("stage %s failed: %s", stage, err, extra=extra)
+        raise
+    ledger.finish_action(claim.action.key, ActionStatus.SUCCEEDED, {**outcome, "error": None})
+    log.info("stage %s done: %s", stage, outcome.get("outcome"), extra=extra)
+    return outcome
+
+
+def perform(
+    incident_id: str,
+    kind: Action,
+    target: str,
+    act: Callable[[bool], dict[str, Any]],
+    *,
+    detail: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Do one side effect at most once per incident; return what it recorded.
+
+    ``act(first)`` performs it; ``first`` is False when an earlier attempt was claimed and may
+    have reached the outside system, so ``act`` must look before it acts again. ``detail`` is
+    stored with the claim — *before* the call — so a later run knows what was about to happen.
+    """
+    ledger = current_backends().ledger
+    claim = ledger.claim_action(incident_id, kind.value, target, detail)
+    action = claim.action
+    on_job = kind in (Action.STOP_JOB, Action.RESUME)
+    extra = log_extra(incident_id, kind.value, **{"job" if on_job else "node": target})
+    if not claim.won and action.status is ActionStatus.SUCCEEDED:
+        log.info("%s %s already done; not repeated", kind, target, extra=extra)
+        return dict(action.detail or {})
+    first = claim.won and action.attempts == 1
+    if not first:
+        log.warning(
+            "%s %s: an earlier attempt may have acted; checking first", kind, target, extra=extra
+        )
+    try:
+        result = act(first)
+    except Exception as err:
+        ledger.finish_action(action.key, ActionStatus.FAILED, {"error": f"{err}"})
+        raise
+    ledger.finish_action(action.key, ActionStatus.SUCCEEDED, {**result, "error": None})
+    log.info("%s %s done", kind, target, extra=extra)
+    return {**(action.detail or {}), **result}
+
+
+def stage(name: Stage) -> Callable[[Callable[[str, IncidentPolicy], StageOutcome]], StageTask]:
+    """Make ``fn(incident_id, policy)`` a Prefect task recorded as the ledger stage ``name``.
+
+    No Prefect caching (the ledger decides what is done) and no persisted results; retries are
+    set per run from the policy (:func:`flows.incident.incident_response`).
+    """
+
+    def wrap(fn: Callable[[str, IncidentPolicy], StageOutcome]) -> StageTask:
+        @functools.wraps(fn)
+        def run(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
+            return record_stage(name, incident_id, lambda: fn(incident_id, policy))
+
+        decorate = task(
+            name=name.value,
+            task_run_name=f"{name.value}-{{incident_id}}",
+            cache_policy=NO_CACHE,
+            persist_result=False,
+            retry_condition_fn=retry_on_temporary,
+        )
+        return decorate(run)
+
+    return wrap
+
+
+# -- ledger helpers ----------------------------------------------------------------------
+
+
+def advance(backends: Backends, incident_id: str, to: IncidentState, **fields: Any) -> IncidentView:
+    """Move forward to ``to`` — or stay where a re-run finds the incident already is."""
+    current = backends.ledger.get_incident(incident_id)
+    target = to if can_transition(current.state, to) else current.state
+    given = {k: v for k, v in fields.items() if v is not None}
+    if target == current.state and not {k: v for k, v in given.items() if k != "reason"}:
+        return current
+    return backends.ledger.transition(incident_id, target, **given)
+
+
+def with_evidence(incident: IncidentView, **items: Any) -> dict[str, Any]:
+    return {**(incident.evidence or {}), **items}
+
+
+def implicated_nodes(incident: IncidentView) -> list[str]:
+    """Every node the incident or its alarms name."""
+    names = set(incident.suspect_nodes)
+    for alarm in incident.alarms:
+        names.update(alarm.suspect_nodes)
+    return sorted(names)
+
+
+def verdict_of(incident: IncidentView) -> dict[str, Any]:
+    return dict((incident.evidence or {}).get("verdict") or {})
+
+
+def nodes_to_fix(incident: IncidentView) -> list[str]:
+    """The node a hardware verdict names; otherwise every suspect (a human approved that)."""
+    verdict = verdict_of(incident)
+    if verdict.get("verdict") == Verdict.HARDWARE.value and verdict.get("node"):
+        return [str(verdict["node"])]
+    return implicated_nodes(incident)
+
+
+def close(incident_id: str, to: IncidentState, reason: str) -> IncidentView:
+    """End the incident in a terminal state (a no-op when a re-run finds it there already)."""
+    b = current_backends()
+    current = b.ledger.get_incident(incident_id)
+    if current.state == to:
+        return current
+    return b.ledger.transition(incident_id, to, reason=reason)

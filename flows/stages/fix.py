@@ -1,0 +1,144 @@
+"""The fix stage: replace the faulty node through HyperPod, or reboot it, as the policy says.
+
+A replacement's plan (instance, group, members before) is stored with the claim before the
+call, because after the replacement the node is gone; a repeat looks at the instance's status
+before asking HyperPod again.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from db import IncidentState
+from flows.policy import IncidentPolicy, NodeAction
+from flows.stages._common import (
+    Action,
+    Stage,
+    StageOutcome,
+    advance,
+    implicated_nodes,
+    nodes_to_fix,
+    perform,
+    stage,
+)
+from flows.stages.containment import uncordon
+from flows.wiring import Backends, current_backends
+from recovery.errors import NotFoundError
+from recovery.hyperpod import INSTANCE_ID_LABEL, AlreadyReplacing, NodeStatus
+
+__all__ = ["fix_nodes"]
+
+log = logging.getLogger(__name__)
+
+
+def _replacement_plan(b: Backends, incident_id: str, node: str) -> dict[str, Any]:
+    """Which instance backs ``node`` and who its group's members are, before any replace.
+
+    Kept with the claim, because after the replacement the node is gone and the new instance
+    is recognised only as "a member that was not there before".
+    """
+    key = f"{incident_id}:{Action.REPLACE.value}:{node}"
+    prior = next((a for a in b.ledger.actions(incident_id) if a.key == key), None)
+    if prior is not None and prior.detail and prior.detail.get("instance_id"):
+        return dict(prior.detail)
+    info = b.nodes.get(node)
+    labels = dict(info.labels)
+    if info.instance_id:
+        labels.setdefault(INSTANCE_ID_LABEL, info.instance_id)
+    instance_id = b.hyperpod.instance_for(node, labels)
+    group = b.hyperpod.describe(instance_id).group
+    members = sorted(n.instance_id for n in b.hyperpod.list_nodes(group))
+    return {"node": node, "instance_id": instance_id, "group": group, "members_before": members}
+
+
+def _status(b: Backends, instance_id: str) -> str:
+    try:
+        return b.hyperpod.describe(instance_id).status
+    except NotFoundError:
+        return NodeStatus.NOT_FOUND.value
+
+
+def _replace(b: Backends, plan: dict[str, Any], first: bool) -> dict[str, Any]:
+    node, instance_id, group = plan["node"], plan["instance_id"], plan["group"]
+    leaving = (NodeStatus.SHUTTING_DOWN.value, NodeStatus.NOT_FOUND.value)
+    if first or _status(b, instance_id) not in leaving:
+        try:
+            b.hyperpod.replace(instance_id).raise_for_failures()
+        except AlreadyReplacing:
+            log.warning("%s is already being replaced; waiting for it", node, extra={"node": node})
+    new_instance = b.hyperpod.wait_replaced(
+        instance_id, group, known_ids=frozenset(plan["members_before"])
+    )
+    new_node = b.directory.joined(node, new_instance)
+    return {"new_instance_id": new_instance, "new_node": new_node}
+
+
+def _reboot(b: Backends, node: str, instance_id: str, first: bool) -> dict[str, Any]:
+    # A stale claim with the node Running cannot tell "rebooted" from "never asked": reboot
+    # again — a second reboot costs minutes, a skipped one leaves a bad node in service.
+    if first or _status(b, instance_id) != NodeStatus.PENDING.value:
+        b.hyperpod.reboot(instance_id).raise_for_failures()
+    b.hyperpod.wait_running(instance_id)
+    return {"rebooted": True}
+
+
+@stage(Stage.REPLACE)
+def fix_nodes(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
+    """Replace the faulty node through HyperPod (or reboot it), as the policy says."""
+    b = current_backends()
+    incident = advance(
+        b, incident_id, IncidentState.REPLACING, reason=f"{policy.action.value} approved"
+    )
+    replaced: list[dict[str, Any]] = []
+    rebooted: list[dict[str, Any]] = []
+    for node in nodes_to_fix(incident):
+        plan = _replacement_plan(b, incident_id, node)
+        if policy.action is NodeAction.REPLACE:
+            done = perform(
+                incident_id,
+                Action.REPLACE,
+                node,
+                functools.partial(_replace, b, plan),
+                detail=plan,
+            )
+            replaced.append(
+                {
+                    "node": node,
+                    "instance_id": plan["instance_id"],
+                    "new_instance_id": done["new_instance_id"],
+                    "new_node": done["new_node"],
+                }
+            )
+        else:
+            perform(
+                incident_id,
+                Action.REBOOT,
+                node,
+                functools.partial(_reboot, b, node, plan["instance_id"]),
+                detail={"node": node, "instance_id": plan["instance_id"]},
+            )
+            perform(
+                incident_id,
+                Action.UNCORDON,
+                node,
+                functools.partial(uncordon, b, incident_id, node),
+            )
+            rebooted.append({"node": node, "instance_id": plan["instance_id"]})
+    # Suspects the replay cleared (a hardware verdict named another node) go back to work:
+    # the job resumes on them, and a cordoned node cannot take its pods.
+    cleared = [n for n in implicated_nodes(incident) if n not in nodes_to_fix(incident)]
+    for node in cleared:
+        perform(
+            incident_id, Action.UNCORDON, node, functools.partial(uncordon, b, incident_id, node)
+        )
+    parts = [f"{r['node']} → {r['new_node']} ({r['new_instance_id']})" for r in replaced]
+    parts += [f"{r['node']} rebooted" for r in rebooted]
+    parts += [f"{n} cleared by the replay and uncordoned" for n in cleared]
+    return {
+        "outcome": "; ".join(parts),
+        "replaced": replaced,
+        "rebooted": rebooted,
+        "cleared": cleared,
+    }
