@@ -1,0 +1,45 @@
+"""The alarm webhook and ledger API (``sdcguard serve``), as a FastAPI app.
+
+One module per job:
+
+* :mod:`~flows.webhook.models` — request and response models (strict types, ledger bounds);
+* :mod:`~flows.webhook.signed` — the signed route: size limit, signature, JSON, storable text,
+  each checked before the next may look at the body;
+* :mod:`~flows.webhook.batcher` — group commit of concurrent alarms into ledger batches;
+* :mod:`~flows.webhook.app` — ``create_app``: the routes, error handlers and lifespan.
+"""
+
+from __future__ import annotations
+
+from flows.webhook.app import alarm_queue_of, create_app, dispatcher_of
+from flows.webhook.batcher import DEFAULT_ALARM_BATCH, AlarmQueue
+from flows.webhook.models import (
+    AlarmAccepted,
+    AlarmBody,
+    AuditBody,
+    AuditRecorded,
+    CheckpointBody,
+    ErrorBody,
+    RankEntry,
+    RanksBody,
+    RanksRegistered,
+    TriggerQueued,
+)
+
+__all__ = [
+    "DEFAULT_ALARM_BATCH",
+    "AlarmAccepted",
+    "AlarmBody",
+    "AlarmQueue",
+    "AuditBody",
+    "AuditRecorded",
+    "CheckpointBody",
+    "ErrorBody",
+    "RankEntry",
+    "RanksBody",
+    "RanksRegistered",
+    "TriggerQueued",
+    "alarm_queue_of",
+    "create_app",
+    "dispatcher_of",
+]

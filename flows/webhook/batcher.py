@@ -1,0 +1,215 @@
+"""Group commit of alarms: concurrent ``POST /v1/alarms`` become ``Ledger.record_alarms`` batches.
+
+In a storm every rank of a job reports the same step at once, and one transaction per alarm
+serialises on that job's row. So ``POST /v1/alarms`` validates its alarm completely (the signed
+route's checks, the request model and the ledger's own checks), then hands it to
+:class:`AlarmBatcher`, whose single writer records whatever has queued up meanwhile with one
+``Ledger.record_alarms`` call. No request waits for a timer: a lone alarm is written at once,
+and the alarms that arrive during that write form the next batch. The contract per request is
+unchanged: its own outcome, its own status, the trigger fired once for the alarm that opened
+the incident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from db import (
+    AlarmIn,
+    AlarmOutcome,
+    Ledger,
+    LedgerError,
+    LedgerTemporaryError,
+    LedgerUnavailable,
+    SchemaNotReady,
+)
+from flows.trigger import TriggerDispatcher
+
+__all__ = ["DEFAULT_ALARM_BATCH", "AlarmBatcher", "AlarmQueue", "InThread"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# Alarms per ledger transaction. A 4,096-rank storm then commits in a handful of batches, and a
+# batch stays short enough that no request waits long behind it.
+DEFAULT_ALARM_BATCH = 512
+
+
+class InThread(Protocol):
+    """Runs a synchronous ledger call in a worker thread, within the app's thread limit."""
+
+    def __call__(self, fn: Callable[[], _T], /) -> Awaitable[_T]: ...
+
+
+@dataclass(frozen=True)
+class AlarmQueue:
+    """A snapshot of the alarm writer: alarms waiting for the next batch, alarms in the ledger
+    call now, and whether new alarms are still taken (false once shutdown began)."""
+
+    waiting: int
+    writing: int
+    accepting: bool
+
+
+@dataclass(frozen=True)
+class _QueuedAlarm:
+    alarm: AlarmIn
+    future: asyncio.Future[AlarmOutcome]
+
+
+class AlarmBatcher:
+    """Coalesces concurrent alarm requests into ``Ledger.record_alarms`` batches.
+
+    Invariants:
+
+    * one writer task: at most one alarm batch is in the ledger at a time, in arrival order;
+    * every queued future is resolved — with its own outcome, or with the error that kept its
+      alarm from being recorded — including at shutdown, where :meth:`close` drains the queue
+      before it returns and later requests are refused with a temporary error (503);
+    * the trigger is fired by the writer, for exactly the outcomes with ``opened=True``: a
+      request cancelled while it waits cannot lose the start of an incident's flow;
+    * a failed batch fails no valid alarm for another's sake: a temporary error (database
+      down, lost races) is every request's answer, since re-sending is what fixes it; any other
+      ledger error is re-tried alarm by alarm, so only the alarm at fault gets its error.
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        dispatcher: TriggerDispatcher,
+        in_thread: InThread,
+        max_batch: int,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self._ledger = ledger
+        self._dispatcher = dispatcher
+        self._in_thread = in_thread
+        self._max_batch = max_batch
+        self._queue: deque[_QueuedAlarm] = deque()
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._writing = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def snapshot(self) -> AlarmQueue:
+        """Safe from any thread: reads two counters and a flag."""
+        accepting = self._task is not None and not self._task.done() and not self._closing
+        return AlarmQueue(waiting=len(self._queue), writing=self._writing, accepting=accepting)
+
+    def start(self) -> None:
+        """Start the writer on the running event loop (the app's lifespan)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="sdcguard-alarm-writer"
+            )
+
+    async def record(self, alarm: AlarmIn) -> AlarmOutcome:
+        """Queue ``alarm`` for the next batch and wait for its own outcome."""
+        if self._closing or self._task is None or self._task.done():
+            raise LedgerUnavailable("the webhook is not accepting alarms now; send it again")
+        future: asyncio.Future[AlarmOutcome] = asyncio.get_running_loop().create_future()
+        self._queue.append(_QueuedAlarm(alarm, future))
+        self._wakeup.set()
+        return await future
+
+    async def close(self) -> None:
+        """Record everything already queued, then stop the writer."""
+        self._closing = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+
+    async def _run(self) -> None:
+        batch: list[_QueuedAlarm] = []
+        try:
+            while True:
+                if not self._queue:
+                    if self._closing:
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                size = min(len(self._queue), self._max_batch)
+                batch = [self._queue.popleft() for _ in range(size)]
+                self._writing = size
+                await self._write(batch)
+                self._writing = 0
+                batch = []
+        finally:
+            self._writing = 0
+            # Only reached with work left when the writer itself is cancelled or broken.
+            stranded = batch + list(self._queue)
+            self._queue.clear()
+            if stranded:
+                logger.error("alarm writer stopped with %d alarms unrecorded", len(stranded))
+            for item in stranded:
+                _resolve(
+                    item,
+                    LedgerUnavailable("the webhook stopped before recording this alarm; resend"),
+                )
+
+    async def _write(self, batch: list[_QueuedAlarm]) -> None:
+        results: Sequence[AlarmOutcome | BaseException]
+        try:
+            results = await self._record([item.alarm for item in batch])
+        except Exception as err:  # a bug, not a refusal: each request answers 500
+            logger.exception("recording a batch of %d alarms failed", len(batch))
+            results = [err] * len(batch)
+        for item, result in zip(batch, results, strict=True):
+            if isinstance(result, AlarmOutcome) and result.opened:
+                self._fire(item.alarm, result)
+            _resolve(item, result)
+
+    async def _record(self, alarms: list[AlarmIn]) -> Sequence[AlarmOutcome | BaseException]:
+        try:
+            return await self._in_thread(lambda: self._ledger.record_alarms(alarms))
+        except (LedgerTemporaryError, SchemaNotReady) as err:
+            logger.error("a batch of %d alarms was not recorded: %s", len(alarms), err)
+            return [err] * len(alarms)
+        except LedgerError as err:
+            logger.warning(
+                "a batch of %d alarms was refused (%s); recording them one by one",
+                len(alarms),
+                err,
+            )
+            return await self._in_thread(lambda: self._one_by_one(alarms))
+
+    def _one_by_one(self, alarms: Sequence[AlarmIn]) -> list[AlarmOutcome | BaseException]:
+        """Each alarm in its own transaction; a ledger error answers only the alarm at fault."""
+        results: list[AlarmOutcome | BaseException] = []
+        for alarm in alarms:
+            try:
+                results.append(self._ledger.record_alarm(alarm))
+            except LedgerError as err:  # handed to that alarm's request, which answers with it
+                results.append(err)
+        return results
+
+    def _fire(self, alarm: AlarmIn, outcome: AlarmOutcome) -> None:
+        logger.warning(
+            "alarm opened an incident",
+            extra={
+                "job": alarm.job_id,
+                "incident": outcome.incident_id,
+                "rank": alarm.rank,
+                "node": alarm.node,
+                "step": alarm.step,
+            },
+        )
+        self._dispatcher.submit(outcome.incident_id, alarm.job_id)
+
+
+def _resolve(item: _QueuedAlarm, result: AlarmOutcome | BaseException) -> None:
+    """Answer one waiting request; a request that gave up (cancelled) needs no answer."""
+    if item.future.done():
+        return
+    if isinstance(result, BaseException):
+        item.future.set_exception(result)
+    else:
+        item.future.set_result(result)
