@@ -69,12 +69,12 @@ def assert_clean(results: list[dict[str, Any]], key: str, steps: int = CLEAN_STE
 
 def assert_caught(
     results: list[dict[str, Any]], key: str, layer: str, phase: str, rank: int = FAULTY_RANK
-) -> tuple[int, ...]:
+) -> int:
     """The fault run raised alarms, the first of the given layer naming ``rank`` alone, the
-    same on every rank. Returns the first alarm."""
+    same on every rank. Returns the step of that alarm."""
     alarms = results[0][key]["alarms"]
     assert alarms, f"{key}: the injected fault was not caught"
     step, got_layer, got_phase, suspects = alarms[0]
     assert (got_layer, got_phase, suspects) == (layer, phase, [rank]), (alarms, results[0][key])
     assert all(r[key]["alarms"] == alarms for r in results)
-    return tuple(alarms[0][:1])
+    return int(step)
