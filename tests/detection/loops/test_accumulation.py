@@ -77,7 +77,7 @@ def _train(rank: int, mode: str, steps: int, inject: tuple[str, ...] = ()) -> di
 
 
 def _misuse(rank: int) -> dict[str, str]:
-    model, optimizer, guard = _guard(rank, "loss")
+    model, _optimizer, guard = _guard(rank, "loss")
     said: dict[str, str] = {}
     for name, backwards, forget_no_sync in (
         ("fifth_backward", ACCUM + 1, False),

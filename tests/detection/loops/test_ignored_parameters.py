@@ -3,7 +3,8 @@
 DDP never synchronises an ignored parameter: here an ``offset`` whose gradient the loop
 averages itself, outside DDP. The vote leaves ignored parameters out (DDP does not keep them
 equal, so they prove nothing about DDP's replicas), and the gradient audit compares what DDP's
-buckets hold. A frozen (``requires_grad=False``) embedding is in no bucket and is never differentiated.
+buckets hold. A frozen (``requires_grad=False``) layer is in no bucket and is never
+differentiated.
 """
 
 from __future__ import annotations
