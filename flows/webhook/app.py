@@ -242,16 +242,20 @@ def create_app(
     async def post_checkpoint(
         job_id: Annotated[JobId, Path()], body: CheckpointBody
     ) -> dict[str, Any]:
-        view = await in_thread(
-            ledger.record_checkpoint,
-            job_id,
-            body.step,
-            body.uri,
-            body.sha256,
-            body.fingerprint,
-            list(body.nodes),
-        )
-        return view.to_dict()
+        def record() -> dict[str, Any]:
+            view = ledger.record_checkpoint(
+                job_id, body.step, body.uri, body.sha256, body.fingerprint, list(body.nodes)
+            )
+            if body.status == "quarantined":
+                ledger.quarantine_range(job_id, body.step, body.step)
+                view = next(
+                    v
+                    for v in ledger.list_checkpoints(job_id)
+                    if v.step == body.step and v.uri == body.uri and v.sha256 == body.sha256
+                )
+            return view.to_dict()
+
+        return await in_thread(record)
 
     @signed.post(
         "/v1/jobs/{job_id}/audits",

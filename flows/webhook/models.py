@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -170,6 +170,11 @@ class CheckpointBody(_Body):
     sha256: Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{64}$")]
     fingerprint: Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{32}$")]
     nodes: list[NodeName]
+    status: Literal["pending", "quarantined"] = Field(
+        default="pending",
+        description="`quarantined`: the job's checkpoint gate closed on an alarm and holds "
+        "this checkpoint quarantined (sent again for a checkpoint first posted pending).",
+    )
 
 
 class AuditBody(_Body):
