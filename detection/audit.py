@@ -4,20 +4,23 @@ A finite corruption of a local gradient before all-reduce is averaged into every
 replicas stay equal and no fingerprint sees it; only recomputing the same micro-batch elsewhere
 and comparing does. The recomputation is evidence only if it reproduces the original exactly:
 
-* the same micro-batch — the user's ``microbatch(step, rank)`` is a pure function;
-* the same dropout mask — the original forward runs right after :func:`seed_rng` with
-  :func:`step_seed` ``(seed, step, rank)``; the replay seeds the partner's value and restores
-  the caller's RNG state afterwards;
-* the same weights — the replay runs before ``optimizer.step`` (the guard calls it from the
-  optimizer's step pre-hook);
+* the same micro-batch — the user's pure ``microbatch(step, rank)``, or the batch the partner
+  trained on, shipped to its auditor (:mod:`detection.batches`);
+* the same dropout mask — each micro-batch's forward is seeded with :func:`step_seed`
+  ``(seed, step, rank, micro)`` when it starts; the replay seeds the partner's value and
+  restores the caller's RNG state afterwards;
+* the same weights — the replay runs right after the step's last backward, before any
+  optimizer steps;
+* the same context — the autocast state and GradScaler scale the original forward ran under
+  (:mod:`detection.replay`), and the compiled module when the loop runs a compiled one;
 * the same buffers and no side effects on them — buffers are snapshot when the original forward
   starts (after DDP's buffer broadcast) and swapped in, by reference, for the replay; the live
   buffers are swapped back afterwards, so BatchNorm running statistics see exactly one update;
-* no side effect on ``.grad`` — gradient replays run with the ``.grad`` references moved aside
-  and put back, no copy;
+* no side effect on ``.grad`` or on hooks — gradient replays use ``torch.autograd.grad``;
 * the same kernels — on CPU bitwise equality across processes needs the same intra-op thread
-  count (the guard checks it); gradient mode also turns on deterministic algorithms;
-* the unwrapped module — so no extra all-reduce fires.
+  count (the guard checks it with the rest of :func:`detection.calibration.replay_environment`);
+  gradient mode also turns on deterministic algorithms;
+* the module without DDP — so no extra all-reduce fires and DDP's state is not touched.
 
 Partners form a single ring (one cycle through all ranks) so every rank is audited exactly once
 and a rank that is wrong both in its own result and in its recomputation of its partner stands
@@ -30,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -40,6 +43,13 @@ from torch import nn
 
 from detection.faults import FaultInjector
 from detection.fingerprint import fingerprint_on_device
+from detection.replay import (
+    AutocastState,
+    BufferSnapshot,
+    all_finite,
+    local_gradients,
+    rng_preserved,
+)
 
 __all__ = [
     "AuditMode",
@@ -56,7 +66,7 @@ __all__ = [
 ]
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-MicroBatch = Callable[[int, int], Any]
+MicroBatch = Callable[..., Any]  # (step, rank) — or (step, rank, micro) with accumulation
 
 
 class AuditMode(StrEnum):
@@ -111,10 +121,12 @@ def auditors_of(partners: Sequence[int]) -> list[int]:
 
 
 # -- RNG ------------------------------------------------------------------------------------------
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The dropout seed of ``rank``'s micro-batch at ``step``: a hash, so neighbouring
-    (step, rank) pairs get unrelated streams."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{rank}".encode(), digest_size=8).digest()
+def step_seed(seed: int, step: int, rank: int, micro: int = 0) -> int:
+    """The dropout seed of ``rank``'s micro-batch ``micro`` at ``step``: a hash, so
+    neighbouring (step, rank, micro) triples get unrelated streams (micro-batch 0 keeps the
+    seed a one-micro-batch loop has always had)."""
+    key = f"{seed}:{step}:{rank}" if micro == 0 else f"{seed}:{step}:{rank}:{micro}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
@@ -124,65 +136,6 @@ def seed_rng(value: int, device: torch.device) -> None:
     torch.default_generator.manual_seed(value)
     if device.type == "cuda":
         torch.cuda.default_generators[device.index or 0].manual_seed(value)
-
-
-@contextlib.contextmanager
-def _rng_preserved(device: torch.device) -> Iterator[None]:
-    cpu_state = torch.get_rng_state()
-    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state, device)
-
-
-# -- buffers --------------------------------------------------------------------------------------
-class BufferSnapshot:
-    """The module's buffers as they were when the original forward started.
-
-    Taking it costs one copy of the buffers (BatchNorm statistics: tiny next to the weights);
-    using it costs nothing: the copies are swapped in by reference and the live buffers swapped
-    back, so the replay's own running-statistics update lands in the throw-away copy.
-    """
-
-    def __init__(self, module: nn.Module) -> None:
-        self._slots = [
-            (owner, name)
-            for owner in module.modules()
-            for name, buf in owner._buffers.items()
-            if buf is not None
-        ]
-        self._copies: list[torch.Tensor] | None = None
-
-    @property
-    def empty(self) -> bool:
-        return not self._slots
-
-    def capture(self) -> None:
-        with torch.no_grad():
-            self._copies = [owner._buffers[name].clone() for owner, name in self._slots]  # type: ignore[union-attr]
-
-    def clear(self) -> None:
-        self._copies = None
-
-    @contextlib.contextmanager
-    def swapped_in(self) -> Iterator[None]:
-        if not self._slots:
-            yield
-            return
-        if self._copies is None:
-            raise RuntimeError("no buffer snapshot was taken for this step")
-        live = [owner._buffers[name] for owner, name in self._slots]
-        for (owner, name), copy in zip(self._slots, self._copies, strict=True):
-            owner._buffers[name] = copy
-        try:
-            yield
-        finally:
-            for (owner, name), tensor in zip(self._slots, live, strict=True):
-                owner._buffers[name] = tensor
-            self._copies = None
 
 
 # -- values and attribution ------------------------------------------------------------------------
@@ -250,18 +203,27 @@ def gradient_fingerprint(
 
 
 class PartnerReplay:
-    """Recomputes the partner's micro-batch of an audited step on the unwrapped module."""
+    """Recomputes another rank's micro-batch(es) of a step on the module without DDP.
+
+    ``module`` is what the loop's forward ran through minus DDP: the user's module, or its
+    compiled form (so the replay runs the same kernels). The replay seeds each micro-batch
+    with the value its owner's forward was seeded with — through ``on_seed``, which the guard
+    also applies when the forward itself starts — runs it under the autocast state that
+    forward saw, with the buffers it saw, and computes gradients with ``autograd.grad``.
+    """
 
     def __init__(
         self,
         module: nn.Module,
         *,
         loss_fn: LossFn,
-        microbatch: MicroBatch,
+        microbatch: MicroBatch | None,
         mode: AuditMode,
         seed: int,
         partner: int,
         injector: FaultInjector | None,
+        micro_batches: int = 1,
+        on_seed: Callable[[int | None], None] | None = None,
     ) -> None:
         self.module = module
         self.loss_fn = loss_fn
@@ -270,39 +232,107 @@ class PartnerReplay:
         self.seed = seed
         self.partner = partner
         self.injector = injector
+        self.micro_batches = micro_batches
+        self.on_seed = on_seed
         self.params = list(module.parameters())
         self.device = self.params[0].device
         self.buffers = BufferSnapshot(module)
+        self.active = False
 
-    def run(self, step: int, partition: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Return ``[loss bits, gradient fingerprint a, b]`` (int64, on device) of the
-        partner's micro-batch at ``step``, leaving RNG, buffers and ``.grad`` as found."""
-        batch = self.microbatch(step, self.partner)
-        replay = self.injector.replaying() if self.injector else contextlib.nullcontext()
-        with _rng_preserved(self.device), self.buffers.swapped_in(), replay, torch.enable_grad():
-            seed_rng(step_seed(self.seed, step, self.partner), self.device)
-            if self.mode is AuditMode.LOSS:
-                loss = self.loss_fn(self.module, batch)
-                grad_fp = torch.zeros(2, dtype=torch.int64, device=self.device)
-            else:
-                loss, grad_fp = self._forward_backward(batch, partition)
-        return torch.cat([encode_loss(loss), grad_fp])
+    def batch_of(self, step: int, rank: int, micro: int) -> Any:
+        if self.microbatch is None:
+            raise RuntimeError("no microbatch(step, rank) function and no shipped batch")
+        if self.micro_batches > 1:
+            return self.microbatch(step, rank, micro)
+        return self.microbatch(step, rank)
 
-    def _forward_backward(
-        self, batch: Any, partition: Sequence[Sequence[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        saved = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
-        try:
-            loss = self.loss_fn(self.module, batch)
-            loss.backward()
-            grads = [p.grad for p in self.params]
-            if self.injector is not None:
+    def run(
+        self,
+        step: int,
+        partition: Sequence[Sequence[int]],
+        *,
+        micros: Sequence[int] = (0,),
+        loss_micro: int | None = None,
+        batches: dict[int, Any] | None = None,
+        autocast: dict[int, AutocastState] | None = None,
+        scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[loss bits, gradient fingerprint a, b]`` (int64, on device) of the partner's
+        micro-batches ``micros`` at ``step`` — the loss of ``loss_micro`` (default the last),
+        the fingerprint of their summed local gradient in gradient mode — leaving RNG, buffers
+        and ``.grad`` as found."""
+        gradients = self.mode is AuditMode.GRADIENT
+        loss, grads = self._replay(
+            step, self.partner, partition, micros, loss_micro, batches, autocast, scale, gradients
+        )
+        if not gradients:
+            return torch.cat(
+                [encode_loss(loss), torch.zeros(2, dtype=torch.int64, device=self.device)]
+            )
+        if self.injector is not None:
+            with self.injector.replaying():
                 self.injector.on_local_gradient(
                     [(i, g) for i, g in enumerate(grads) if g is not None]
                 )
-            return loss.detach(), gradient_fingerprint(partition, grads, self.params)
+        return torch.cat([encode_loss(loss), gradient_fingerprint(partition, grads, self.params)])
+
+    def finite(
+        self,
+        step: int,
+        rank: int,
+        partition: Sequence[Sequence[int]],
+        *,
+        micros: Sequence[int],
+        batches: dict[int, Any] | None,
+        autocast: dict[int, AutocastState] | None,
+        scale: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``1`` when ``rank``'s local gradient at ``step``, recomputed here at ``scale``, is
+        finite (an overflow that rank saw is then not an overflow here: SDC)."""
+        self.buffers.capture()  # the live buffers, so the recomputation leaves them untouched
+        _, grads = self._replay(step, rank, partition, micros, None, batches, autocast, scale, True)
+        return all_finite(grads, self.device)
+
+    def _replay(
+        self,
+        step: int,
+        rank: int,
+        partition: Sequence[Sequence[int]],
+        micros: Sequence[int],
+        loss_micro: int | None,
+        batches: dict[int, Any] | None,
+        autocast: dict[int, AutocastState] | None,
+        scale: torch.Tensor | None,
+        gradients: bool,
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        positions = sorted({i for bucket in partition for i in bucket})
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
+        reported = micros[-1] if loss_micro is None else loss_micro
+        loss_out = torch.zeros((), device=self.device)
+        inputs = {
+            m: batches[m] if batches is not None and m in batches else self.batch_of(step, rank, m)
+            for m in micros
+        }
+        replay = self.injector.replaying() if self.injector else contextlib.nullcontext()
+        self.active = True
+        try:
+            with rng_preserved(self.device), self.buffers.swapped_in(), replay:
+                for micro in micros:
+                    value = step_seed(self.seed, step, rank, micro)
+                    seed_rng(value, self.device)
+                    if self.on_seed is not None:
+                        self.on_seed(value)
+                    state = (autocast or {}).get(micro, AutocastState.off())
+                    with torch.enable_grad(), state.applied():
+                        loss = self.loss_fn(self.module, inputs[micro])
+                    if micro == reported:
+                        loss_out = loss.detach()
+                    if gradients:
+                        scaled = loss * scale.to(loss.device) if scale is not None else loss
+                        local_gradients(scaled, self.params, positions, grads)
+                    del loss
         finally:
-            for p, g in zip(self.params, saved, strict=True):
-                p.grad = g
+            self.active = False
+            if self.on_seed is not None:
+                self.on_seed(None)
+        return loss_out, grads

@@ -9,16 +9,22 @@
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(ddp_model, microbatch(step, rank))
             guard.backward(loss)                   # records the loss, runs loss.backward()
-            optimizer.step()                       # audit replay runs just before the update
+            optimizer.step()
         if guard.halted:
             break
+
+(``docs/detection.md`` has the recipes for autocast, GradScaler, accumulation, compiled
+models, several optimizers and ordinary data loaders.)
 
 What runs where, per step:
 
 * backward — the comm hook (:mod:`detection.nonfinite`) sums each bucket before and after
   all-reduce (and, on audited gradient steps, fingerprints the local bucket);
-* ``optimizer.step`` pre-hook — on audited steps the partner's micro-batch is recomputed on
-  the unwrapped module (:mod:`detection.audit`), weights still as they were before the update;
+* forward pre-hook (on the module the loop calls, outside any compiled region) — seeds the
+  micro-batch's RNG and captures the autocast state and, on audited steps, the buffers;
+* end of the step's last ``guard.backward`` — on audited steps the partner's micro-batch is
+  recomputed on the module without DDP (:mod:`detection.audit`), weights still as they were
+  before any optimizer updates them; shipped batches arrive first (:mod:`detection.batches`);
 * ``optimizer.step`` post-hook — injected weight / optimizer-state faults (tests and demos);
 * leaving ``guard.step`` — the weight fingerprint (and, if configured, the optimizer state's);
   then one all-gather of a small int64 row per rank and one host synchronisation, from which
@@ -36,8 +42,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
+import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -59,6 +67,14 @@ from detection.audit import (
     seed_rng,
     step_seed,
 )
+from detection.batches import exchange_batches
+from detection.calibration import (
+    GuardCounters,
+    NotReplayableError,
+    check_agreement,
+    diagnose_self_replay,
+    replay_environment,
+)
 from detection.faults import FaultInjector, FaultSpec
 from detection.fingerprint import Fingerprint, fingerprint_on_device
 from detection.gate import CheckpointGate, StepOutcome
@@ -68,6 +84,7 @@ from detection.nonfinite import (
     NonFiniteVerdict,
     attribute_nonfinite,
 )
+from detection.replay import AutocastState
 from detection.vote import (
     VoteVerdict,
     all_gather_rows,
@@ -81,10 +98,12 @@ __all__ = [
     "AlarmSink",
     "GuardConfig",
     "GuardConfigError",
+    "GuardCounters",
     "GuardError",
     "GuardHaltedError",
     "GuardUsageError",
     "Identity",
+    "NotReplayableError",
     "SDCGuard",
 ]
 
@@ -129,6 +148,12 @@ class GuardConfig:
     the weights (a second moment whose first moment stays zero).
     ``halt_on_alarm``: set :attr:`SDCGuard.halted` after the step that raised an alarm.
     ``inject``: fault specs (``--inject`` syntax) for tests and demos.
+    ``micro_batches``: ``guard.backward`` calls per step (gradient accumulation: ``no_sync``
+    around all but the last); a loss audit replays one of them (a different one each audit),
+    a gradient audit the whole group.
+    ``calibrate``: audits that must come out clean (and reproduce each rank's own micro-batch)
+    before the audit arms; until then a mismatch raises
+    :class:`~detection.calibration.NotReplayableError` saying what to change, not an alarm.
     """
 
     audit_every: int = 0
@@ -137,10 +162,16 @@ class GuardConfig:
     vote_optimizer_state: bool = False
     halt_on_alarm: bool = False
     inject: tuple[str, ...] = field(default_factory=tuple)
+    micro_batches: int = 1
+    calibrate: int = 0
 
     def __post_init__(self) -> None:
         if self.audit_every < 0:
             raise GuardConfigError(f"audit_every must be ≥ 0, got {self.audit_every}")
+        if self.micro_batches < 1:
+            raise GuardConfigError(f"micro_batches must be ≥ 1, got {self.micro_batches}")
+        if self.calibrate < 0:
+            raise GuardConfigError(f"calibrate must be ≥ 0, got {self.calibrate}")
         try:
             object.__setattr__(self, "audit_mode", AuditMode(self.audit_mode))
         except ValueError:
@@ -148,13 +179,13 @@ class GuardConfig:
                 f"audit_mode must be 'loss' or 'gradient', got {self.audit_mode!r}"
             ) from None
         object.__setattr__(self, "inject", tuple(self.inject))
+        for spec in self.inject:
+            FaultSpec.parse(spec)
 
     @property
     def mode(self) -> AuditMode:
         """``audit_mode`` as the enum (it is normalised to one on construction)."""
         return AuditMode(self.audit_mode)
-        for spec in self.inject:
-            FaultSpec.parse(spec)
 
 
 class Identity(Protocol):
@@ -181,6 +212,16 @@ class _Finding(NamedTuple):
     detail: dict[str, Any]
 
 
+def _all_finite(rows: Sequence[Sequence[int]]) -> bool:
+    """No rank's loss or gradient was non-finite in this step (from the gathered rows)."""
+    for r in rows:
+        if r[_PRE] or r[_POST]:
+            return False
+        if not math.isfinite(struct.unpack("<d", struct.pack("<q", r[_OWN][0]))[0]):
+            return False
+    return True
+
+
 def _nonfinite_finding(verdict: NonFiniteVerdict) -> _Finding:
     reason = (
         "non-finite local gradient"
@@ -203,32 +244,62 @@ def _nonfinite_finding(verdict: NonFiniteVerdict) -> _Finding:
 class _Step:
     step: int
     audit: bool
+    loss_micro: int = 0  # the micro-batch whose loss the row carries (the audited one)
+    micro: int = 0  # backward calls so far
     loss: torch.Tensor | None = None
     replay: torch.Tensor | None = None
-    snapshot_taken: bool = False
-    optimizer_stepped: bool = False
+    self_replays: torch.Tensor | None = None  # calibration: own micro-batch replayed twice
+    forwards: set[int] = field(default_factory=set)  # micro-batches whose forward started
+    autocast: dict[int, AutocastState] = field(default_factory=dict)
+    batches: dict[int, Any] = field(default_factory=dict)  # own, when the loop passes batch=
+    shipped: dict[int, Any] | None = None  # the partner's, received on audited steps
+    scale: torch.Tensor | None = None  # the GradScaler scale of this step's backward
+    stepped: set[int] = field(default_factory=set)  # id() of the optimizers that stepped
+
+
+def _unwrap(model: nn.Module) -> tuple[DistributedDataParallel, nn.Module, nn.Module, bool]:
+    """``(ddp, replay module, module to hook, compiled around DDP)`` for a DDP model, a DDP
+    of a compiled module, or a compiled DDP model."""
+    compiled_outer = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    ddp = model._orig_mod if compiled_outer else model
+    if not isinstance(ddp, DistributedDataParallel):
+        raise GuardConfigError(
+            "SDCGuard needs the DistributedDataParallel-wrapped model (or torch.compile of it)"
+        )
+    if compiled_outer:
+        # The loop's forward runs DDP inside the compiled region, where a hook on the inner
+        # module would be traced, not called: hook the compiled wrapper, and replay through a
+        # compiled copy of the inner module (the same kernels, no DDP).
+        replay: nn.Module = torch.compile(ddp.module)  # type: ignore[assignment]
+        return ddp, replay, model, True
+    return ddp, ddp.module, ddp.module, False
 
 
 class SDCGuard:
-    """Detection for one DDP model and its optimizer, in every rank.
+    """Detection for one DDP model and its optimizers, in every rank.
 
-    Protocol (violations raise :class:`GuardUsageError`): each training step runs inside
-    ``with guard.step(step)``; the loss goes through :meth:`backward`; ``optimizer.step()``
-    is called at most once, inside the block; one micro-batch per rank per step, produced by
-    ``microbatch(step, rank)`` — a pure function, since a partner recomputes it — and turned into
-    a scalar loss by ``loss_fn(model, batch)``, which must accept the unwrapped module too.
+    Protocol (violations raise :class:`GuardUsageError`, saying what to change): each training
+    step runs inside ``with guard.step(step)``; each micro-batch's loss goes through
+    :meth:`backward` — ``GuardConfig.micro_batches`` times per step, all but the last inside
+    ``ddp.no_sync()``; each optimizer steps at most once, after the last backward. The loss is
+    ``loss_fn(model, batch)`` exactly (``loss_fn`` must accept the module without DDP too), for
+    a batch that is either ``microbatch(step, rank[, micro])`` — a pure function, since a
+    partner recomputes it — or handed over as ``guard.backward(loss, batch=batch)``, in which
+    case it is shipped to the auditor on audited steps.
 
+    ``model``: the DDP model, ``DDP(torch.compile(module))`` or ``torch.compile(DDP(module))``
+    — whatever the loop calls. ``optimizer``: one or several (every one that updates the model).
     ``comm_hook``/``comm_state``: a DDP communication hook of your own; the guard wraps it
     (register it here, not on the model: DDP accepts only one hook).
     """
 
     def __init__(
         self,
-        model: DistributedDataParallel,
-        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         *,
-        microbatch: Callable[[int, int], Any],
         loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        microbatch: Callable[..., Any] | None = None,
         config: GuardConfig | None = None,
         identity: Identity | None = None,
         sender: AlarmSink | None = None,
@@ -237,40 +308,59 @@ class SDCGuard:
         comm_hook: CommHook | None = None,
         comm_state: Any = None,
     ) -> None:
-        if not isinstance(model, DistributedDataParallel):
-            raise GuardConfigError("SDCGuard needs the DistributedDataParallel-wrapped model")
-        if getattr(model, "_comm_hooks", None):
+        ddp, replay_module, hooked, self.compiled_outer = _unwrap(model)
+        if getattr(ddp, "_comm_hooks", None):
             raise GuardConfigError(
                 "the model already has a comm hook; pass it as SDCGuard(comm_hook=..., "
                 "comm_state=...) so the guard can wrap it"
             )
         self.config = config or GuardConfig()
-        self.model = model
-        self.module: nn.Module = model.module
-        self.optimizer = optimizer
+        self.model = ddp
+        self.module: nn.Module = ddp.module
+        self.optimizers = (
+            [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        )
+        if not self.optimizers:
+            raise GuardConfigError("SDCGuard needs the optimizer(s) that update the model")
+        self.optimizer = self.optimizers[0]
         self.microbatch = microbatch
         self.loss_fn = loss_fn
         self.sender = sender
         self.gate = gate
         self.job_id = job_id
-        self.group: dist.ProcessGroup | None = model.process_group
+        self.group: dist.ProcessGroup | None = ddp.process_group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.params = list(self.module.parameters())
         if not self.params:
             raise GuardConfigError("the model has no parameters")
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+        # Parameters DDP was told to ignore are never synchronised: they may differ between
+        # replicas by design, so the vote leaves them out (the injector keeps every position).
+        self.voted = [
+            p
+            for name, p in self.module.named_parameters()
+            if name.removeprefix("_orig_mod.") not in ignored and name not in ignored
+        ]
+        voted = {id(p) for p in self.voted}
+        self._bucketed = [
+            i for i, p in enumerate(self.params) if p.requires_grad and id(p) in voted
+        ]
         self.device = self.params[0].device
         self.node: str = identity.node if identity is not None else socket.gethostname()
         self.nodes, identities = self._agree(identity)
         self.partners = ring_partners(self.nodes)
         self.auditors = auditors_of(self.partners)
         self.audit_every = self.config.audit_every if self.world_size > 1 else 0
+        self.micro_batches = self.config.micro_batches
         self.alarms: list[Alarm] = []
+        self.counters = GuardCounters()
         self.halted = False
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
         self._nonfinite_open = False
         self._diverged: frozenset[int] = frozenset()  # replicas known to differ (all: no majority)
+        self._replay_seed: int | None = None
         self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
 
         if self.config.mode is AuditMode.GRADIENT and self.audit_every:
@@ -286,50 +376,49 @@ class SDCGuard:
             inner_state=comm_state,
             injector=self.injector,
         )
-        self.hook.register(model)
+        self.hook.register(ddp)
         self.replay = PartnerReplay(
-            self.module,
+            replay_module,
             loss_fn=loss_fn,
             microbatch=microbatch,
             mode=self.config.mode,
             seed=self.config.seed,
             partner=self.partners[self.rank],
             injector=self.injector,
+            micro_batches=self.micro_batches,
+            on_seed=self._set_replay_seed,
         )
-        self._handles = [
-            optimizer.register_step_pre_hook(self._before_optimizer_step),
-            optimizer.register_step_post_hook(self._after_optimizer_step),
-            self.module.register_forward_pre_hook(self._before_forward),
-        ]
+        self._handles = [hooked.register_forward_pre_hook(self._before_forward)]
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._before_optimizer_step))
+            self._handles.append(opt.register_step_post_hook(self._after_optimizer_step))
         if sender is not None and self.rank == 0:
             sender.register_ranks(identities)
         _log.info(
-            "sdcguard armed: audit every %d (%s), partner %d, nodes %s",
+            "sdcguard started: audit every %d (%s), partner %d, nodes %s, calibrating %d audits",
             self.audit_every,
             self.config.mode,
             self.partners[self.rank],
             self.nodes,
+            self.config.calibrate,
             extra=self._extra,
         )
 
     # -- set-up ------------------------------------------------------------------------------------
     def _agree(self, identity: Identity | None) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
-        """Gather every rank's node, identity, thread count and config once; refuse to start
-        when they disagree, since bitwise replay needs the same intra-op thread count and an
-        identical guard configuration everywhere."""
+        """Gather every rank's node, identity, replay environment and config once; refuse to
+        start when they disagree: bitwise replay needs the same hardware model, builds,
+        kernel flags and intra-op thread count, and an identical guard configuration."""
         if identity is not None:
             ident = dict(identity.to_dict())
         else:
             ident = {"rank": self.rank, "local_rank": self.rank, "node": self.node}
-        mine = (self.node, torch.get_num_threads(), repr(self.config), ident)
+        mine = (self.node, replay_environment(self.device), repr(self.config), ident)
         everyone: list[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, mine, group=self.group)
-        threads = {t for _, t, _, _ in everyone}
-        if len(threads) > 1:
-            raise GuardConfigError(
-                f"ranks run with different intra-op thread counts {sorted(threads)}: replays "
-                "would not be bitwise; call torch.set_num_threads with the same value everywhere"
-            )
+        problems = check_agreement([env for _, env, _, _ in everyone])
+        if problems:
+            raise GuardConfigError("; ".join(problems))
         if len({c for _, _, c, _ in everyone}) > 1:
             raise GuardConfigError("ranks were given different GuardConfig values")
         return tuple(n for n, _, _, _ in everyone), [i for _, _, _, i in everyone]
@@ -350,6 +439,11 @@ class SDCGuard:
         if self.injector is not None:
             self.injector.close()
 
+    @property
+    def armed(self) -> bool:
+        """Whether audits may raise alarms: calibration is over (or was not asked for)."""
+        return self.counters.calibration_audits >= self.config.calibrate
+
     # -- the training-loop API ---------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -358,7 +452,10 @@ class SDCGuard:
             raise GuardHaltedError(f"the guard halted the job after an alarm; step {step} refused")
         if self._current is not None:
             raise GuardUsageError("guard.step() blocks do not nest")
-        current = _Step(step=step, audit=self.audit_every > 0 and step % self.audit_every == 0)
+        audit = self.audit_every > 0 and step % self.audit_every == 0
+        current = _Step(step=step, audit=audit)
+        if audit and self.config.mode is AuditMode.LOSS:
+            current.loss_micro = (step // self.audit_every) % self.micro_batches
         self._current = current
         seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
         if self.injector is not None:
@@ -377,18 +474,64 @@ class SDCGuard:
             self.replay.buffers.clear()
             self._current = None
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, recording the loss for the audit."""
+    def backward(
+        self,
+        loss: torch.Tensor,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        batch: Any = None,
+    ) -> None:
+        """``loss.backward()`` — or ``scaler.scale(loss).backward()`` — recording the unscaled
+        loss, the scale and (with ``batch=``, for loops without a pure ``microbatch``) the batch
+        this loss came from, for the audit."""
         current = self._require_step("guard.backward()")
+        micro = current.micro
+        if micro >= self.micro_batches:
+            raise GuardUsageError(
+                f"guard.backward() called {micro + 1} times in step {current.step}, but "
+                f"GuardConfig(micro_batches={self.micro_batches}) allows {self.micro_batches}: "
+                "set micro_batches to the number of micro-batches per step"
+            )
         if loss.numel() != 1:
             raise GuardUsageError("loss_fn must return a scalar loss")
-        current.loss = loss.detach()
-        loss.backward()
+        if batch is None and self.microbatch is None:
+            raise GuardUsageError(
+                "no microbatch(step, rank) function was given: pass the batch the loss came "
+                "from, guard.backward(loss, batch=batch), so the auditor can recompute it"
+            )
+        syncing = self.model.require_backward_grad_sync
+        last = micro == self.micro_batches - 1
+        if syncing != last:
+            raise GuardUsageError(
+                f"micro-batch {micro} of {self.micro_batches} in step {current.step}: "
+                + (
+                    "wrap every backward but the last in `with ddp.no_sync():`"
+                    if syncing
+                    else "the last backward of a step must run outside ddp.no_sync()"
+                )
+            )
+        if batch is not None:
+            current.batches[micro] = batch
+        if micro == current.loss_micro:
+            current.loss = loss.detach()
+        if scaler is not None and scaler.is_enabled():
+            scaled = scaler.scale(loss)
+            current.scale = scaler._scale.detach().clone()  # type: ignore[union-attr]
+        else:
+            scaled = loss
+        scaled.backward()
+        current.micro += 1
+        if not last:
+            # Whatever the loop draws before the next forward comes from a known state too.
+            seed_rng(step_seed(self.config.seed, current.step, self.rank, micro + 1), self.device)
+            return
+        if current.audit:
+            self._run_audit(current)
 
     def verify_loaded(self, expected: Fingerprint | str) -> Fingerprint:
         """After loading a checkpoint: every replica's weights equal the recorded fingerprint
         (collective; raises :class:`~detection.vote.LoadVerificationError`)."""
-        return verify_after_load(self.params, expected, self.group)
+        return verify_after_load(self.voted, expected, self.group)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _require_step(self, what: str) -> _Step:
@@ -396,41 +539,126 @@ class SDCGuard:
             raise GuardUsageError(f"{what} outside a guard.step() block")
         return self._current
 
+    def _set_replay_seed(self, value: int | None) -> None:
+        self._replay_seed = value
+
     def _before_forward(self, _module: nn.Module, _args: Any) -> None:
+        if self.replay.active:
+            if (
+                self._replay_seed is not None
+            ):  # the replay's forward starts where the original's did
+                seed_rng(self._replay_seed, self.device)
+                self._replay_seed = None
+            return
         current = self._current
-        if current is not None and current.audit and not current.snapshot_taken:
+        if current is None or current.micro >= self.micro_batches:
+            return
+        micro = current.micro
+        if micro in current.forwards:
+            return
+        current.forwards.add(micro)
+        seed_rng(step_seed(self.config.seed, current.step, self.rank, micro), self.device)
+        current.autocast[micro] = AutocastState.capture()
+        first = current.loss_micro if self.config.mode is AuditMode.LOSS else 0
+        if current.audit and micro == first:
             # The original forward, after DDP's buffer broadcast: the replay starts from here.
-            current.snapshot_taken = True
             self.replay.buffers.capture()
 
-    def _before_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+    def _before_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")
-        if current.optimizer_stepped:
+        if id(opt) in current.stepped:
             raise GuardUsageError("optimizer.step() called twice in one guarded step")
-        self._run_audit(current)
+        if current.micro < self.micro_batches:
+            raise GuardUsageError(
+                f"optimizer.step() after {current.micro} of {self.micro_batches} backward "
+                "calls: step the optimizer once, after the step's last guard.backward()"
+            )
 
-    def _after_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
+    def _after_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")
-        current.optimizer_stepped = True
-        if self.injector is not None:
+        current.stepped.add(id(opt))
+        if self.injector is not None and opt is self.optimizer:
             self.injector.after_optimizer_step(self.optimizer)
+
+    def _micros(self, current: _Step) -> list[int]:
+        if self.config.mode is AuditMode.LOSS:
+            return [current.loss_micro]
+        return list(range(self.micro_batches))
 
     def _run_audit(self, current: _Step) -> None:
         if not current.audit or current.replay is not None:
             return
-        if not current.snapshot_taken and not self.replay.buffers.empty:
-            raise GuardUsageError("no forward pass of the model inside this guarded step")
-        current.replay = self.replay.run(current.step, self.hook.partition())
+        if not current.forwards:
+            raise GuardUsageError(
+                "no forward pass of the model the guard was given inside this guarded step: "
+                "call the model you passed to SDCGuard (or its compiled form)"
+            )
+        micros = self._micros(current)
+        if self.microbatch is None:
+            auditor = self.auditors[self.rank]
+            mine = [current.batches[m] for m in micros]
+            received = exchange_batches({auditor: mine}, device=self.device, group=self.group)
+            self.counters.batches_shipped += len(mine)
+            got = received[self.partners[self.rank]]
+            current.shipped = dict(zip(micros, got, strict=True))
+        partition = self.hook.partition()
+        if not self.armed:
+            # Calibration: the rank replays its own micro-batch twice as well, so a loop that
+            # cannot be replayed is told apart from a rank that computes wrong.
+            partner = self.replay.partner
+            try:
+                self.replay.partner = self.rank
+                runs = [
+                    self._replay_row(current, partition, micros, own_batches=True, keep=True)
+                    for _ in range(2)
+                ]
+            finally:
+                self.replay.partner = partner
+            current.self_replays = torch.cat(runs)
+        current.replay = self._replay_row(current, partition, micros, own_batches=False)
+
+    def _replay_row(
+        self,
+        current: _Step,
+        partition: Sequence[Sequence[int]],
+        micros: Sequence[int],
+        *,
+        own_batches: bool,
+        keep: bool = False,
+    ) -> torch.Tensor:
+        """One replay's row; ``keep``: leave the buffer snapshot for another replay."""
+        batches = current.batches if own_batches else current.shipped
+        if own_batches and self.microbatch is not None:
+            batches = None
+        snapshot = self.replay.buffers.duplicate() if keep else None
+        row = self.replay.run(
+            current.step,
+            partition,
+            micros=micros,
+            loss_micro=current.loss_micro,
+            batches=batches,
+            autocast=current.autocast,
+            scale=current.scale,
+        )
+        if snapshot is not None:
+            self.replay.buffers.restore(snapshot)
+        return row
 
     # -- the decision ------------------------------------------------------------------------------
     def _finish(self, current: _Step) -> None:
-        if current.loss is None:
+        if current.micro == 0 or current.loss is None:
             raise GuardUsageError("the step's loss never went through guard.backward()")
-        self._run_audit(current)  # when the loop skipped optimizer.step(), weights are unchanged
+        if current.micro < self.micro_batches:
+            raise GuardUsageError(
+                f"step {current.step} ran {current.micro} of {self.micro_batches} backward "
+                f"calls: set GuardConfig(micro_batches={current.micro}) or call guard.backward "
+                "once per micro-batch"
+            )
+        self._run_audit(current)
         zero2 = torch.zeros(2, dtype=torch.int64, device=self.device)
         state_fp = zero2
         if self.config.vote_optimizer_state:
-            state = optimizer_state_tensors(self.optimizer, self.params)
+            state = [t for opt in self.optimizers for t in optimizer_state_tensors(opt, self.voted)]
             if state:
                 state_fp = fingerprint_on_device(state).to(self.device)
         own = torch.cat([encode_loss(current.loss), self.hook.gradient_fingerprint()])
@@ -439,13 +667,15 @@ class SDCGuard:
             [
                 torch.tensor([current.step], dtype=torch.int64, device=self.device),
                 self.hook.flags(),
-                fingerprint_on_device(self.params).to(self.device),
+                fingerprint_on_device(self.voted).to(self.device),
                 state_fp,
                 own,
                 replay,
             ]
         )
         rows = all_gather_rows(row, self.group)
+        if current.self_replays is not None:
+            self._check_calibration(current, rows)
         self._decide(current, rows)
 
     def _decide(self, current: _Step, rows: Sequence[Sequence[int]]) -> None:
@@ -466,12 +696,14 @@ class SDCGuard:
         nonfinite = attribute_nonfinite(
             [bool(r[_PRE]) for r in rows], [bool(r[_POST]) for r in rows]
         )
+        nonfinite, resolution = self._account_for_scaler(current, nonfinite)
         self._nonfinite_open = nonfinite is not None
         follows = nonfinite is not None and (
             poisoned or (set(nonfinite.pre_ranks) <= known if nonfinite.pre_ranks else bool(known))
         )
         if nonfinite is not None and not follows:
-            findings.append(_nonfinite_finding(nonfinite))
+            finding = _nonfinite_finding(nonfinite)
+            findings.append(finding._replace(detail={**finding.detail, **resolution}))
 
         weights = [tuple(r[_W]) for r in rows]
         states = [tuple(r[_S]) for r in rows]
@@ -487,11 +719,13 @@ class SDCGuard:
             self._diverged = known | now
 
         audit_passed = False
+        inconclusive = current.audit and not _all_finite(rows)
         if current.audit:
             audit = attribute_audit(
                 self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows]
             )
-            audit_passed = audit.passed
+            # NaN is bit-equal to NaN: an audit over non-finite values proves nothing.
+            audit_passed = audit.passed and not inconclusive
             touched = known | self._diverged
             follows = (
                 poisoned
@@ -512,10 +746,120 @@ class SDCGuard:
             alarm=alarm,
         )
         self.last_outcome = outcome
+        self._tally(current, audit_passed, inconclusive)
         if alarm is not None:
             self._raise(alarm)
         if self.gate is not None:
             self.gate.observe(outcome)
+
+    def _tally(self, current: _Step, audit_passed: bool, inconclusive: bool) -> None:
+        c = self.counters
+        c.steps += 1
+        c.votes += 1
+        c.nonfinite_checks += 1
+        if current.audit:
+            c.audits += 1
+            c.audits_passed += int(audit_passed)
+            c.audits_inconclusive += int(inconclusive)
+
+    def _check_calibration(self, current: _Step, rows: Sequence[Sequence[int]]) -> None:
+        """Collective, on calibration audits: every rank's two self-replays against its own
+        result; a loop that does not reproduce itself — or ranks that disagree although each
+        does — refuses to arm (:class:`NotReplayableError`, the same on every rank)."""
+        assert current.self_replays is not None
+        selves = all_gather_rows(current.self_replays, self.group)
+        if not _all_finite(rows):
+            return  # non-finite values prove nothing either way: not a clean audit
+        mode = str(self.config.mode)
+        causes = [
+            cause
+            for r, row in enumerate(selves)
+            if (
+                cause := diagnose_self_replay(
+                    r, current.step, rows[r][_OWN], row[:3], row[3:], mode=mode
+                )
+            )
+        ]
+        if not causes:
+            audit = attribute_audit(
+                self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows]
+            )
+            if audit.passed:
+                self.counters.calibration_audits += 1
+                if self.armed:
+                    _log.info(
+                        "sdcguard armed after %d clean audits",
+                        self.config.calibrate,
+                        extra=self._extra,
+                    )
+                return
+            pairs = ", ".join(f"rank {a} replaying rank {b}" for a, b in audit.mismatches)
+            causes = [
+                f"step {current.step}: every rank reproduces its own micro-batch, but {pairs} "
+                "differs. The ranks compute differently although they agreed at start-up: a "
+                "batch that is not the same when recomputed elsewhere (microbatch(step, rank) "
+                "must be a pure function of its arguments; pass batch= otherwise), per-rank "
+                "state read in the forward, or a faulty device (calibrate on other hardware)"
+            ]
+        raise NotReplayableError(
+            f"the audit refuses to arm after {self.counters.calibration_audits} clean "
+            f"calibration audit(s) of {self.config.calibrate}: " + " | ".join(causes)
+        )
+
+    def _account_for_scaler(
+        self, current: _Step, nonfinite: NonFiniteVerdict | None
+    ) -> tuple[NonFiniteVerdict | None, dict[str, Any]]:
+        """Under a GradScaler a non-finite local gradient is normally an overflow the scaler
+        handles (it skips the step and lowers the scale), not SDC. On every rank it is taken as
+        one; on some ranks only, each such rank's micro-batches are recomputed by its auditor
+        at the same scale (collective): non-finite there too is an overflow, finite is SDC and
+        stays a finding naming the rank."""
+        if current.scale is None or nonfinite is None or not nonfinite.pre_ranks:
+            return nonfinite, {}
+        flagged = list(nonfinite.pre_ranks)
+        if len(flagged) == self.world_size:
+            self.counters.overflow_steps += 1
+            return None, {}
+        finite = self._recompute_flagged(current, flagged)
+        self.counters.overflow_resolutions += 1
+        sdc = tuple(r for r in flagged if finite[r])
+        if not sdc:
+            self.counters.overflow_steps += 1
+            return None, {}
+        detail = {
+            "scaler": "recomputed at the same scale on the auditor: finite, so not an overflow",
+            "recomputed_by": {str(r): self.auditors[r] for r in sdc},
+        }
+        return NonFiniteVerdict(nonfinite.phase, sdc, sdc, nonfinite.post_ranks), detail
+
+    def _recompute_flagged(self, current: _Step, flagged: Sequence[int]) -> list[int]:
+        """``finite[r]`` for each flagged rank ``r``, as recomputed by ``r``'s auditor."""
+        target = self.partners[self.rank]
+        batches: dict[int, Any] | None = None
+        micros = list(range(self.micro_batches))
+        if self.microbatch is None:
+            outgoing = (
+                {self.auditors[self.rank]: [current.batches[m] for m in micros]}
+                if self.rank in flagged
+                else {}
+            )
+            received = exchange_batches(outgoing, device=self.device, group=self.group)
+            self.counters.batches_shipped += sum(len(b) for b in outgoing.values())
+            if target in received:
+                batches = dict(zip(micros, received[target], strict=True))
+        verdict = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if target in flagged:
+            verdict = self.replay.finite(
+                current.step,
+                target,
+                [self._bucketed],
+                micros=micros,
+                batches=batches,
+                autocast=current.autocast,
+                scale=current.scale,
+            ).reshape(1)
+        rows = all_gather_rows(verdict, self.group)
+        return [rows[self.auditors[r]][0] for r in range(self.world_size)]
 
     def _vote_finding(
         self,
