@@ -7,9 +7,10 @@ A job without ring audits (``audit_every=0``) may count a passed fingerprint vot
 record's ``evidence`` then says it is the weaker kind: a vote shows the replicas agree, not that
 what they agree on was computed right.
 
-After an alarm the gate closes: every pending checkpoint is quarantined, checkpoints written
-later are quarantined at once, nothing becomes verified, and :meth:`CheckpointGate.publish`
-refuses with :class:`GateClosedError` until :meth:`CheckpointGate.reopen` after recovery.
+After an alarm the gate closes: every pending checkpoint is quarantined (and posted to the
+ledger again as quarantined), checkpoints written later are quarantined at once, nothing
+becomes verified, and :meth:`CheckpointGate.publish` refuses with :class:`GateClosedError`
+until :meth:`CheckpointGate.reopen` after recovery.
 
 Provenance goes to the ledger in an order that lets it draw the same conclusions: a checkpoint is
 posted before the audit that verifies it (an audit at step s is held back until checkpoint s,
@@ -135,18 +136,25 @@ class CheckpointGate:
     Invariant: a record is ``verified`` only if a passed audit (or, without audits, a passed
     vote) at a step ≥ its own was observed while the gate was open and after the record was
     pending; once closed, no record changes to ``verified`` until :meth:`reopen`.
+
+    ``directory``: where checkpoints are written (a ``Path`` or a ``str``). ``sink``: where
+    provenance goes — normally the rank's :class:`~detection.sender.AlarmSender`, which posts
+    each checkpoint (``POST /v1/jobs/{job}/checkpoints``, with ``status: quarantined`` once the
+    gate quarantined it) and each audit (``POST /v1/jobs/{job}/audits``) to the webhook, so the
+    ledger draws the same conclusions; ``None`` keeps provenance local to this process.
+    ``nodes``: the job's nodes, recorded with each checkpoint.
     """
 
     def __init__(
         self,
-        directory: Path | None,
+        directory: Path | str | None,
         *,
         audit_every: int,
         nodes: Sequence[str] = (),
         sink: ProvenanceSink | None = None,
         job_id: str = "local",
     ) -> None:
-        self.directory = directory
+        self.directory = Path(directory) if directory is not None else None
         self.audit_every = audit_every
         self.nodes = list(nodes)
         self.job_id = job_id
@@ -210,13 +218,13 @@ class CheckpointGate:
             self._alarm = alarm
         for record in list(self._records.values()):
             if record.status is CheckpointStatus.PENDING:
-                self._set(
-                    replace(
-                        record,
-                        status=CheckpointStatus.QUARANTINED,
-                        evidence={"alarm_step": alarm.step, "layer": str(alarm.layer)},
-                    )
+                quarantined = replace(
+                    record,
+                    status=CheckpointStatus.QUARANTINED,
+                    evidence={"alarm_step": alarm.step, "layer": str(alarm.layer)},
                 )
+                self._set(quarantined)
+                self._post_checkpoint(quarantined)
         _log.warning("checkpoint gate closed", extra={"job": self.job_id, "step": alarm.step})
 
     def _set(self, record: CheckpointRecord) -> None:
@@ -280,27 +288,35 @@ class CheckpointGate:
             evidence=evidence,
         )
         self._set(record)
-        if self._sink is not None:
-            self._sink.record_checkpoint(
+        self._post_checkpoint(record)
+        if self._sink is not None and self.audit_every == 0 and status is CheckpointStatus.VERIFIED:
+            self._sink.record_audit(
                 {
                     "step": step,
-                    "uri": record.uri,
-                    "sha256": digest,
-                    "fingerprint": record.fingerprint,
-                    "nodes": self.nodes,
+                    "kind": "fingerprint",
+                    "ranks": list(self._last.ranks),
+                    "passed": True,
                 }
             )
-            if self.audit_every == 0 and status is CheckpointStatus.VERIFIED:
-                self._sink.record_audit(
-                    {
-                        "step": step,
-                        "kind": "fingerprint",
-                        "ranks": list(self._last.ranks),
-                        "passed": True,
-                    }
-                )
         self._post_held_audit()
         return record
+
+    def _post_checkpoint(self, record: CheckpointRecord) -> None:
+        """Tell the ledger about ``record``: as written (the ledger starts it ``pending``), or
+        — once the gate holds it quarantined — again with ``status: quarantined``, so the
+        ledger never keeps a checkpoint pending that an alarm already condemned."""
+        if self._sink is None:
+            return
+        body: dict[str, Any] = {
+            "step": record.step,
+            "uri": record.uri,
+            "sha256": record.sha256,
+            "fingerprint": record.fingerprint,
+            "nodes": self.nodes,
+        }
+        if record.status is CheckpointStatus.QUARANTINED:
+            body["status"] = str(CheckpointStatus.QUARANTINED)
+        self._sink.record_checkpoint(body)
 
     def publish(self, step: int | None = None) -> CheckpointRecord:
         """The checkpoint to publish as verified (the newest, or the one at ``step``).

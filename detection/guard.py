@@ -268,11 +268,25 @@ def _unwrap(model: nn.Module) -> tuple[DistributedDataParallel, nn.Module, nn.Mo
         )
     if compiled_outer:
         # The loop's forward runs DDP inside the compiled region, where a hook on the inner
-        # module would be traced, not called: hook the compiled wrapper, and replay through a
-        # compiled copy of the inner module (the same kernels, no DDP).
-        replay: nn.Module = torch.compile(ddp.module)  # type: ignore[assignment]
-        return ddp, replay, model, True
+        # module would be traced, not called: hook the compiled wrapper, and replay through it
+        # too — a fresh compile of the inner module fuses differently and is not bitwise.
+        return ddp, _NoSyncReplay(model, ddp), model, True
     return ddp, ddp.module, ddp.module, False
+
+
+class _NoSyncReplay(nn.Module):
+    """Calls the compiled DDP model inside ``no_sync()``: the same compiled kernels as the
+    loop's forward, with no reducer preparation (and no gradient hook: the replay's
+    ``autograd.grad`` runs no ``AccumulateGrad``)."""
+
+    def __init__(self, compiled: nn.Module, ddp: DistributedDataParallel) -> None:
+        super().__init__()
+        self.compiled = compiled
+        self._ddp = [ddp]  # not a submodule: parameters come once, through ``compiled``
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._ddp[0].no_sync():
+            return self.compiled(*args, **kwargs)
 
 
 class SDCGuard:

@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Seque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, NoReturn, Protocol, TypeVar
+from typing import Annotated, Any, Literal, NoReturn, Protocol, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -226,6 +226,11 @@ class CheckpointBody(_Body):
     sha256: Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{64}$")]
     fingerprint: Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{32}$")]
     nodes: list[NodeName]
+    status: Literal["pending", "quarantined"] = Field(
+        default="pending",
+        description="`quarantined`: the job's checkpoint gate closed on an alarm and holds "
+        "this checkpoint quarantined (sent again for a checkpoint first posted pending).",
+    )
 
 
 class AuditBody(_Body):
@@ -789,16 +794,20 @@ def create_app(
     async def post_checkpoint(
         job_id: Annotated[JobId, Path()], body: CheckpointBody
     ) -> dict[str, Any]:
-        view = await in_thread(
-            ledger.record_checkpoint,
-            job_id,
-            body.step,
-            body.uri,
-            body.sha256,
-            body.fingerprint,
-            list(body.nodes),
-        )
-        return view.to_dict()
+        def record() -> dict[str, Any]:
+            view = ledger.record_checkpoint(
+                job_id, body.step, body.uri, body.sha256, body.fingerprint, list(body.nodes)
+            )
+            if body.status == "quarantined":
+                ledger.quarantine_range(job_id, body.step, body.step)
+                view = next(
+                    v
+                    for v in ledger.list_checkpoints(job_id)
+                    if v.step == body.step and v.uri == body.uri and v.sha256 == body.sha256
+                )
+            return view.to_dict()
+
+        return await in_thread(record)
 
     @signed.post(
         "/v1/jobs/{job_id}/audits",

@@ -219,3 +219,29 @@ def test_without_audits_the_vote_evidence_is_posted_after_the_checkpoint(tmp_pat
         ("checkpoint", None),
         ("audit", "fingerprint"),
     ]
+
+
+def test_a_str_directory_works_like_a_path(tmp_path: Path) -> None:
+    gate = CheckpointGate(str(tmp_path / "ckpts"), audit_every=10)
+    gate.observe(_step(3))
+    record = _write(gate, 3)
+    assert Path(record.uri).parent == (tmp_path / "ckpts").resolve()
+    assert Path(record.uri).exists()
+
+
+def test_checkpoints_quarantined_by_an_alarm_are_posted_quarantined(tmp_path: Path) -> None:
+    ledger = _Ledger()
+    gate = CheckpointGate(tmp_path, audit_every=10, sink=ledger)
+    gate.observe(_step(5))
+    pending = _write(gate, 5)
+    gate.observe(_step(7, alarm=_alarm(7)))
+    gate.observe(_step(8))
+    late = _write(gate, 8)
+    checkpoints = [body for kind, body in ledger.posts if kind == "checkpoint"]
+    assert [(b["step"], b.get("status")) for b in checkpoints] == [
+        (5, None),  # written pending
+        (5, "quarantined"),  # the alarm at step 7 condemned it: the ledger is told
+        (8, "quarantined"),  # written while closed
+    ]
+    assert checkpoints[1]["sha256"] == pending.sha256
+    assert checkpoints[2]["uri"] == late.uri

@@ -96,6 +96,28 @@ def test_passed_audit_verifies_the_pending_checkpoint(webhook: Webhook) -> None:
     assert webhook.ledger.list_checkpoints("job-1")[0].status == "verified"
 
 
+def test_a_checkpoint_the_gate_quarantined_is_quarantined_in_the_ledger(webhook: Webhook) -> None:
+    webhook.post("/v1/jobs/job-1/ranks", ranks_payload(4))
+    checkpoint = {
+        "step": 30,
+        "uri": "/ckpt/ckpt-000030.pt",
+        "sha256": "ab" * 32,
+        "fingerprint": "0123456789abcdef" * 2,
+        "nodes": ["node-0"],
+    }
+    assert webhook.post("/v1/jobs/job-1/checkpoints", checkpoint).json()["status"] == "pending"
+    # the gate closed on an alarm: it posts the same checkpoint again, quarantined
+    again = webhook.post("/v1/jobs/job-1/checkpoints", {**checkpoint, "status": "quarantined"})
+    audit = webhook.post(
+        "/v1/jobs/job-1/audits", {"step": 40, "kind": "gradient", "ranks": [0, 1], "passed": True}
+    )
+
+    assert again.status_code == 201, again.text
+    assert again.json()["status"] == "quarantined"
+    assert audit.json()["verified_steps"] == []
+    assert [c.status for c in webhook.ledger.list_checkpoints("job-1")] == ["quarantined"]
+
+
 def test_checkpoint_of_unknown_job_is_404_with_the_reason(webhook: Webhook) -> None:
     before = row_counts(webhook.ledger)
     response = webhook.post(
