@@ -20,6 +20,9 @@ is exact arithmetic on measured step times (a non-audited step of an audited job
 code of a ``checks`` step). The AWS reference rows are the published overheads of the same
 checks in the reference implementation.
 
+``--loop-paths 1`` adds the rows of the loop patterns — autocast, gradient accumulation, batch
+shipping — and the replay's peak extra memory (``benchmarks/loop_paths.py``).
+
 Run ``python benchmarks/overhead.py --help`` for the knobs; the defaults take a few minutes on
 two cores, most of it the one-time compilation of the fingerprint kernel in each rank.
 """
@@ -40,6 +43,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import loop_paths  # benchmarks/ is on sys.path when this file runs as a script
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -75,6 +79,8 @@ class Bench:
     n_layers: int = 2
     seq_len: int = 256
     batch: int = 4
+    loop_paths: int = 0  # 1: also the loop-pattern rows (benchmarks/loop_paths.py)
+    loop_rounds: int = 20
 
     def model(self) -> ModelConfig:
         return ModelConfig(
@@ -154,9 +160,15 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
             samples["cpu"].append({name: t[1] for name, t in times.items()})
     alarms = sum(len(g.alarms) for g in guards.values())
     params = sum(p.numel() for p in ddps["plain"].parameters())
+    loops = (
+        loop_paths.run_rank(rank, cfg, bench.loop_rounds, bench.warmup)
+        if bench.loop_paths
+        else None
+    )
     dist.destroy_process_group()
     if rank == 0:
-        Path(out).write_text(json.dumps({"samples": samples, "alarms": alarms, "params": params}))
+        record = {"samples": samples, "alarms": alarms, "params": params, "loops": loops}
+        Path(out).write_text(json.dumps(record))
 
 
 def _run(bench: Bench) -> dict[str, Any]:
@@ -231,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump is not None:
         args.dump.write_text(json.dumps(result))
     print(_table(bench, result))
+    if result.get("loops"):
+        print(loop_paths.table(result["loops"]))
     print(f"(took {time.monotonic() - started:.0f} s)")
     return 0
 

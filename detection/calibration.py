@@ -27,6 +27,7 @@ import torch
 __all__ = [
     "GuardCounters",
     "NotReplayableError",
+    "calibration_causes",
     "check_agreement",
     "diagnose_self_replay",
     "replay_environment",
@@ -137,6 +138,42 @@ def diagnose_self_replay(
         "in registered buffers (not Python attributes), draw any randomness inside the "
         f"forward, and keep autocast around the forward call ({mode} audits)"
     )
+
+
+def calibration_causes(
+    step: int,
+    partners: Sequence[int],
+    own: Sequence[Sequence[int]],
+    replayed: Sequence[Sequence[int]],
+    selves: Sequence[Sequence[int]],
+    *,
+    mode: str,
+) -> list[str]:
+    """What keeps a calibration audit from being clean (empty: it is). ``own[r]``: rank r's
+    original ``[loss bits, gradient fingerprint]``; ``replayed[r]``: rank r's replay of
+    ``partners[r]``; ``selves[r]``: rank r's two replays of its own micro-batch, concatenated."""
+    causes = [
+        cause
+        for r, row in enumerate(selves)
+        if (cause := diagnose_self_replay(r, step, own[r], row[:3], row[3:], mode=mode))
+    ]
+    if causes:
+        return causes
+    pairs = [
+        f"rank {auditor} replaying rank {partner}"
+        for auditor, partner in enumerate(partners)
+        if auditor != partner and tuple(replayed[auditor]) != tuple(own[partner])
+    ]
+    if not pairs:
+        return []
+    return [
+        f"step {step}: every rank reproduces its own micro-batch, but {', '.join(pairs)} "
+        "differs. The ranks compute differently although they agreed at start-up: a batch "
+        "that is not the same when recomputed elsewhere (microbatch(step, rank) must be a pure "
+        "function of its arguments; pass batch= otherwise), per-rank state read in the forward "
+        "(a parameter DDP ignores and nobody synchronises), or a faulty device (calibrate on "
+        "other hardware)"
+    ]
 
 
 @dataclass

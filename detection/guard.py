@@ -53,7 +53,6 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from detection.alarm import Alarm, Layer, Phase
 from detection.audit import (
@@ -71,8 +70,8 @@ from detection.batches import exchange_batches
 from detection.calibration import (
     GuardCounters,
     NotReplayableError,
+    calibration_causes,
     check_agreement,
-    diagnose_self_replay,
     replay_environment,
 )
 from detection.faults import FaultInjector, FaultSpec
@@ -84,7 +83,8 @@ from detection.nonfinite import (
     NonFiniteVerdict,
     attribute_nonfinite,
 )
-from detection.replay import AutocastState
+from detection.overflow import recompute_flagged
+from detection.replay import AutocastState, unwrap_ddp
 from detection.vote import (
     VoteVerdict,
     all_gather_rows,
@@ -257,38 +257,6 @@ class _Step:
     stepped: set[int] = field(default_factory=set)  # id() of the optimizers that stepped
 
 
-def _unwrap(model: nn.Module) -> tuple[DistributedDataParallel, nn.Module, nn.Module, bool]:
-    """``(ddp, replay module, module to hook, compiled around DDP)`` for a DDP model, a DDP
-    of a compiled module, or a compiled DDP model."""
-    compiled_outer = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
-    ddp = model._orig_mod if compiled_outer else model
-    if not isinstance(ddp, DistributedDataParallel):
-        raise GuardConfigError(
-            "SDCGuard needs the DistributedDataParallel-wrapped model (or torch.compile of it)"
-        )
-    if compiled_outer:
-        # The loop's forward runs DDP inside the compiled region, where a hook on the inner
-        # module would be traced, not called: hook the compiled wrapper, and replay through it
-        # too — a fresh compile of the inner module fuses differently and is not bitwise.
-        return ddp, _NoSyncReplay(model, ddp), model, True
-    return ddp, ddp.module, ddp.module, False
-
-
-class _NoSyncReplay(nn.Module):
-    """Calls the compiled DDP model inside ``no_sync()``: the same compiled kernels as the
-    loop's forward, with no reducer preparation (and no gradient hook: the replay's
-    ``autograd.grad`` runs no ``AccumulateGrad``)."""
-
-    def __init__(self, compiled: nn.Module, ddp: DistributedDataParallel) -> None:
-        super().__init__()
-        self.compiled = compiled
-        self._ddp = [ddp]  # not a submodule: parameters come once, through ``compiled``
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self._ddp[0].no_sync():
-            return self.compiled(*args, **kwargs)
-
-
 class SDCGuard:
     """Detection for one DDP model and its optimizers, in every rank.
 
@@ -322,7 +290,12 @@ class SDCGuard:
         comm_hook: CommHook | None = None,
         comm_state: Any = None,
     ) -> None:
-        ddp, replay_module, hooked, self.compiled_outer = _unwrap(model)
+        unwrapped = unwrap_ddp(model)
+        if unwrapped is None:
+            raise GuardConfigError(
+                "SDCGuard needs the DistributedDataParallel-wrapped model (or torch.compile of it)"
+            )
+        ddp, replay_module, hooked, self.compiled_outer = unwrapped
         if getattr(ddp, "_comm_hooks", None):
             raise GuardConfigError(
                 "the model already has a comm hook; pass it as SDCGuard(comm_hook=..., "
@@ -784,41 +757,24 @@ class SDCGuard:
         selves = all_gather_rows(current.self_replays, self.group)
         if not _all_finite(rows):
             return  # non-finite values prove nothing either way: not a clean audit
-        mode = str(self.config.mode)
-        causes = [
-            cause
-            for r, row in enumerate(selves)
-            if (
-                cause := diagnose_self_replay(
-                    r, current.step, rows[r][_OWN], row[:3], row[3:], mode=mode
-                )
-            )
-        ]
-        if not causes:
-            audit = attribute_audit(
-                self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows]
-            )
-            if audit.passed:
-                self.counters.calibration_audits += 1
-                if self.armed:
-                    _log.info(
-                        "sdcguard armed after %d clean audits",
-                        self.config.calibrate,
-                        extra=self._extra,
-                    )
-                return
-            pairs = ", ".join(f"rank {a} replaying rank {b}" for a, b in audit.mismatches)
-            causes = [
-                f"step {current.step}: every rank reproduces its own micro-batch, but {pairs} "
-                "differs. The ranks compute differently although they agreed at start-up: a "
-                "batch that is not the same when recomputed elsewhere (microbatch(step, rank) "
-                "must be a pure function of its arguments; pass batch= otherwise), per-rank "
-                "state read in the forward, or a faulty device (calibrate on other hardware)"
-            ]
-        raise NotReplayableError(
-            f"the audit refuses to arm after {self.counters.calibration_audits} clean "
-            f"calibration audit(s) of {self.config.calibrate}: " + " | ".join(causes)
+        causes = calibration_causes(
+            current.step,
+            self.partners,
+            [r[_OWN] for r in rows],
+            [r[_REPLAY] for r in rows],
+            selves,
+            mode=str(self.config.mode),
         )
+        if causes:
+            raise NotReplayableError(
+                f"the audit refuses to arm after {self.counters.calibration_audits} clean "
+                f"calibration audit(s) of {self.config.calibrate}: " + " | ".join(causes)
+            )
+        self.counters.calibration_audits += 1
+        if self.armed:
+            _log.info(
+                "sdcguard armed after %d clean audits", self.config.calibrate, extra=self._extra
+            )
 
     def _account_for_scaler(
         self, current: _Step, nonfinite: NonFiniteVerdict | None
@@ -848,32 +804,20 @@ class SDCGuard:
 
     def _recompute_flagged(self, current: _Step, flagged: Sequence[int]) -> list[int]:
         """``finite[r]`` for each flagged rank ``r``, as recomputed by ``r``'s auditor."""
-        target = self.partners[self.rank]
-        batches: dict[int, Any] | None = None
-        micros = list(range(self.micro_batches))
-        if self.microbatch is None:
-            outgoing = (
-                {self.auditors[self.rank]: [current.batches[m] for m in micros]}
-                if self.rank in flagged
-                else {}
-            )
-            received = exchange_batches(outgoing, device=self.device, group=self.group)
-            self.counters.batches_shipped += sum(len(b) for b in outgoing.values())
-            if target in received:
-                batches = dict(zip(micros, received[target], strict=True))
-        verdict = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if target in flagged:
-            verdict = self.replay.finite(
-                current.step,
-                target,
-                [self._bucketed],
-                micros=micros,
-                batches=batches,
-                autocast=current.autocast,
-                scale=current.scale,
-            ).reshape(1)
-        rows = all_gather_rows(verdict, self.group)
-        return [rows[self.auditors[r]][0] for r in range(self.world_size)]
+        finite, shipped = recompute_flagged(
+            self.replay,
+            flagged,
+            step=current.step,
+            partners=self.partners,
+            micros=list(range(self.micro_batches)),
+            own_batches=current.batches if self.microbatch is None else None,
+            positions=self._bucketed,
+            autocast=current.autocast,
+            scale=current.scale,
+            group=self.group,
+        )
+        self.counters.batches_shipped += shipped
+        return finite
 
     def _vote_finding(
         self,

@@ -24,9 +24,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "AutocastState",
@@ -34,6 +36,7 @@ __all__ = [
     "all_finite",
     "local_gradients",
     "rng_preserved",
+    "unwrap_ddp",
 ]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -183,3 +186,39 @@ def all_finite(tensors: Sequence[torch.Tensor | None], device: torch.device) -> 
     if not sums:
         return torch.ones((), dtype=torch.int64, device=device)
     return torch.isfinite(torch.stack(sums).sum()).to(torch.int64)
+
+
+def unwrap_ddp(
+    model: nn.Module,
+) -> tuple[DistributedDataParallel, nn.Module, nn.Module, bool] | None:
+    """``(ddp, replay module, module to hook, compiled around DDP)`` for a DDP model, a DDP
+    of a compiled module, or a compiled DDP model; ``None`` for anything else.
+
+    The replay module is what the loop's forward runs through minus DDP's synchronisation,
+    so a replay runs the same (compiled) kernels; the hooked module is the outermost one that
+    runs eagerly after DDP's buffer broadcast where there is one."""
+    compiled_outer = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    ddp = model._orig_mod if compiled_outer else model
+    if not isinstance(ddp, DistributedDataParallel):
+        return None
+    if compiled_outer:
+        # The loop's forward runs DDP inside the compiled region, where a hook on the inner
+        # module would be traced, not called: hook the compiled wrapper, and replay through it
+        # too — a fresh compile of the inner module fuses differently and is not bitwise.
+        return ddp, _NoSyncReplay(model, ddp), model, True
+    return ddp, ddp.module, ddp.module, False
+
+
+class _NoSyncReplay(nn.Module):
+    """Calls the compiled DDP model inside ``no_sync()``: the same compiled kernels as the
+    loop's forward, with no reducer preparation (and no gradient hook: the replay's
+    ``autograd.grad`` runs no ``AccumulateGrad``)."""
+
+    def __init__(self, compiled: nn.Module, ddp: DistributedDataParallel) -> None:
+        super().__init__()
+        self.compiled = compiled
+        self._ddp = [ddp]  # not a submodule: parameters come once, through ``compiled``
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self._ddp[0].no_sync():
+            return self.compiled(*args, **kwargs)
