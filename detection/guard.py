@@ -438,7 +438,9 @@ class SDCGuard:
         if self.halted:
             raise GuardHaltedError(f"the guard halted the job after an alarm; step {step} refused")
         if self._current is not None:
-            raise GuardUsageError("guard.step() blocks do not nest")
+            raise GuardUsageError(
+                "guard.step() blocks do not nest: leave one step's block before the next begins"
+            )
         audit = self.audit_every > 0 and step % self.audit_every == 0
         current = _Step(step=step, audit=audit)
         if audit and self.config.mode is AuditMode.LOSS:
@@ -480,7 +482,9 @@ class SDCGuard:
                 "set micro_batches to the number of micro-batches per step"
             )
         if loss.numel() != 1:
-            raise GuardUsageError("loss_fn must return a scalar loss")
+            raise GuardUsageError(
+                "loss_fn must return a scalar loss: reduce it (e.g. .mean()) inside loss_fn"
+            )
         if batch is None and self.microbatch is None:
             raise GuardUsageError(
                 "no microbatch(step, rank) function was given: pass the batch the loss came "
@@ -523,7 +527,10 @@ class SDCGuard:
     # -- hooks -------------------------------------------------------------------------------------
     def _require_step(self, what: str) -> _Step:
         if self._current is None:
-            raise GuardUsageError(f"{what} outside a guard.step() block")
+            raise GuardUsageError(
+                f"{what} outside a guard.step() block: run the training step inside "
+                "`with guard.step(step):`"
+            )
         return self._current
 
     def _set_replay_seed(self, value: int | None) -> None:
@@ -554,7 +561,10 @@ class SDCGuard:
     def _before_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")
         if id(opt) in current.stepped:
-            raise GuardUsageError("optimizer.step() called twice in one guarded step")
+            raise GuardUsageError(
+                "optimizer.step() called twice in one guarded step: step each optimizer once "
+                "per guard.step() block"
+            )
         if current.micro < self.micro_batches:
             raise GuardUsageError(
                 f"optimizer.step() after {current.micro} of {self.micro_batches} backward "
@@ -634,7 +644,10 @@ class SDCGuard:
     # -- the decision ------------------------------------------------------------------------------
     def _finish(self, current: _Step) -> None:
         if current.micro == 0 or current.loss is None:
-            raise GuardUsageError("the step's loss never went through guard.backward()")
+            raise GuardUsageError(
+                "the step's loss never went through guard.backward(): call "
+                "guard.backward(loss) instead of loss.backward()"
+            )
         if current.micro < self.micro_batches:
             raise GuardUsageError(
                 f"step {current.step} ran {current.micro} of {self.micro_batches} backward "
@@ -676,7 +689,10 @@ class SDCGuard:
         """
         step = current.step
         if any(r[_STEP] != step for r in rows):
-            raise GuardUsageError(f"ranks are at different steps: {[r[_STEP] for r in rows]}")
+            raise GuardUsageError(
+                f"ranks are at different steps: {[r[_STEP] for r in rows]}: pass every rank "
+                "the same step number to guard.step()"
+            )
         known, poisoned = self._diverged, self._nonfinite_open
         findings: list[_Finding] = []
 
