@@ -51,6 +51,7 @@ def runtime_grants(role: str) -> list[str]:
         f"GRANT SELECT, INSERT, UPDATE ON {', '.join(STATE_TABLES)} TO {name}",
         f"GRANT SELECT, INSERT, DELETE ON {NONCE_TABLE} TO {name}",
         f"GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {name}",
+        f"GRANT SELECT ON alembic_version TO {name}",  # serve checks the schema is at head
     ]
 
 

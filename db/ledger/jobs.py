@@ -19,7 +19,7 @@ from db.errors import InvalidValue, StaleRegistration
 from db.ledger._base import LedgerBase, _log
 from db.ledger._validate import _optional_text, _require_step, _require_text
 from db.ledger._views import _rank_view
-from db.models import RankRow
+from db.models import JobRow, RankRow
 from db.views import RankIn, RankView
 
 
@@ -86,6 +86,12 @@ class JobsMixin(LedgerBase):
 
         self._write("register_ranks", work)
         _log.info("ranks registered", extra={"job": job_id, "ranks": len(ranks)})
+
+    def job_ids(self) -> list[str]:
+        """Every job the ledger knows, in id order (to resolve a reader's job patterns)."""
+        return self._read(
+            "job_ids", lambda s: list(s.scalars(select(JobRow.id).order_by(JobRow.id)))
+        )
 
     def rank_map(self, job_id: str) -> dict[int, RankView]:
         """The job's ranks by rank number; empty for a job the ledger does not know."""

@@ -11,28 +11,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from db.enums import IncidentState
 from db.errors import InvalidValue
 from db.ledger._base import LedgerBase
 from db.ledger._validate import _parse_enum
-from db.ledger._views import _incident_views
-from db.models import IncidentRow
-from db.views import IncidentView
+from db.models import AlarmRow, IncidentRow
 
 __all__ = ["IncidentPage", "PagesMixin"]
 
 MAX_PAGE = 200
 
 
+_SUMMARY = (
+    "id",
+    "job_id",
+    "state",
+    "suspect_start",
+    "suspect_end",
+    "suspect_nodes",
+    "verdict",
+    "decision",
+    "ranks_missing",
+    "storm",
+    "outside_rank_map",
+    "opened_at",
+    "updated_at",
+    "closed_at",
+)
+
+
 @dataclass(frozen=True)
 class IncidentPage:
-    """One page; ``next_after`` is the cursor of the next page, ``None`` on the last one."""
+    """One page of incident summaries (JSON-safe dicts: the incident's own fields, its alarm
+    count, ``needs_review``; no alarms, actions or history — ``get_incident`` has those, so a
+    page costs the same whether an incident holds one alarm or a storm of 4,096).
+    ``next_after`` is the cursor of the next page, ``None`` on the last one."""
 
-    incidents: list[IncidentView]
+    incidents: list[dict[str, Any]]
     next_after: tuple[datetime, str] | None
 
 
@@ -81,6 +101,31 @@ class PagesMixin(LedgerBase):
             more = len(rows) > limit
             rows = rows[:limit]
             cursor = (rows[-1].opened_at, rows[-1].id) if more and rows else None
-            return IncidentPage(_incident_views(s, rows), cursor)
+            counts: dict[str, int] = {}
+            if rows:
+                counted = s.execute(
+                    select(AlarmRow.incident_id, func.count())
+                    .where(AlarmRow.incident_id.in_([row.id for row in rows]))
+                    .group_by(AlarmRow.incident_id)
+                )
+                counts = {incident_id: int(n) for incident_id, n in counted}
+            return IncidentPage([_summary(row, counts.get(row.id, 0)) for row in rows], cursor)
 
         return self._read("list_incidents_page", work)
+
+
+def _summary(row: IncidentRow, alarms: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _SUMMARY:
+        value = getattr(row, name)
+        if isinstance(value, datetime):
+            value = value.isoformat()
+        elif hasattr(value, "value"):
+            value = value.value
+        elif isinstance(value, list):
+            value = list(value)
+        out[name] = value
+    out["outside_rank_map"] = list(row.outside_rank_map or [])
+    out["needs_review"] = bool(out["outside_rank_map"])
+    out["alarm_count"] = alarms
+    return out
