@@ -396,7 +396,7 @@ class _NoLedger:
     def ensure_job(self, job_id: str) -> None:
         return None
 
-    def register_ranks(self, job_id: str, ranks: object) -> None:
+    def register_ranks(self, job_id: str, ranks: object, *, generation: int = 0) -> None:
         return None
 
     def list_incidents(self, job_id: object = None, state: object = None) -> list[object]:
