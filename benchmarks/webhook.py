@@ -318,7 +318,11 @@ async def _reader(port: int, secret: str, done: asyncio.Event, reads: list[int])
                 if name.lower() == "content-length":
                     length = int(value)
             await reader.readexactly(length)
-            reads.append(int(status_line.split()[1]))
+            status = int(status_line.split()[1])
+            if status == 429:  # over the read budget: a client waits as Retry-After says
+                await asyncio.sleep(1.0)
+                continue
+            reads.append(status)
     finally:
         writer.close()
 

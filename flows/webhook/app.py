@@ -18,6 +18,7 @@ import base64
 import binascii
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -162,6 +163,7 @@ def create_app(
     max_alarm_batch: int = DEFAULT_ALARM_BATCH,
     read_ledger: Ledger | None = None,
     read_threads: int = 4,
+    reads_per_s: float = 50.0,
     docs: bool = False,
 ) -> FastAPI:
     """The webhook + ledger API over ``ledger``; opened incidents go to ``trigger``.
@@ -170,7 +172,8 @@ def create_app(
     (:mod:`flows.webhook.auth`); a plain string is one shared key (id ``default``) for every
     job, for a single machine. Secrets stay inside the checks and are never logged.
     Concurrent alarms are recorded up to ``max_alarm_batch`` per ledger transaction. Reads run
-    on ``read_ledger`` (default: ``ledger``) in at most ``read_threads`` threads of their own.
+    on ``read_ledger`` (default: ``ledger``) in at most ``read_threads`` threads of their own,
+    at most ``reads_per_s`` per second (429 above: :class:`ReadBudget`).
     ``docs`` serves ``/docs`` and ``/openapi.json`` (off by default: the schema is no secret,
     but nothing unauthenticated should answer). On start-up every incident still ``open`` is
     fired again: an incident whose flow was lost with a previous process (crash between record
@@ -247,6 +250,7 @@ def create_app(
     )
     app.state.dispatcher = dispatcher
     app.state.guard = guard
+    app.state.read_budget = ReadBudget(reads_per_s, burst=max(1, int(reads_per_s)))
     app.state.alarm_batcher = batcher
 
     @app.exception_handler(LedgerError)
@@ -444,9 +448,38 @@ def create_app(
     return app
 
 
+class ReadBudget:
+    """A token bucket over all reads: ``rate`` per second, ``burst`` at once.
+
+    Reads and alarms share the CPU; a flood of reads that were all served would slow alarm
+    ingestion however many threads and connections each side has. Over budget, a read is
+    refused with 429 before anything else is done for it (no signature check, no query), so a
+    refused read costs next to nothing.
+    """
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+
 async def _reader(request: Request) -> Principal:
     """A dependency: solved before the query is validated, so an anonymous caller learns
     nothing, not even which parameters are wrong."""
+    budget = request.app.state.read_budget
+    assert isinstance(budget, ReadBudget)
+    if not budget.take():
+        raise Refused(429, "too many reads; retry in a second")
     guard = request.app.state.guard
     assert isinstance(guard, Guard)
     return await authenticate_read(request, guard)

@@ -246,6 +246,7 @@ SIGNED_ERRORS: dict[int | str, dict[str, Any]] = {
 READ_ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Not authenticated."},
     403: {"model": ErrorBody, "description": "Not a reader, or not of this job."},
+    429: {"model": ErrorBody, "description": "Over the read budget; retry after Retry-After."},
     422: {"description": "Invalid query (limit, cursor, job id, state)."},
     503: {"model": ErrorBody, "description": "Ledger unavailable; retry later."},
 }

@@ -352,7 +352,8 @@ def signed_route_class(guard: Guard) -> type[APIRoute]:
 
 def refusal(request: Request, refused: Refused) -> JSONResponse:
     """The answer to a refused request, logged with the client and never echoing a secret."""
-    logger.warning(
+    logger.log(
+        logging.DEBUG if refused.status == 429 else logging.WARNING,  # a flood logs nothing
         "refused %s %s: %s",
         request.method,
         request.url.path,
@@ -365,4 +366,6 @@ def refusal(request: Request, refused: Refused) -> JSONResponse:
     headers = {"Connection": "close"} if refused.status == 413 else None
     if refused.status == 401:
         headers = {"WWW-Authenticate": 'SDCGuard-HMAC-SHA256, Bearer realm="sdcguard"'}
+    if refused.status == 429:
+        headers = {"Retry-After": "1"}
     return JSONResponse({"detail": refused.reason}, status_code=refused.status, headers=headers)
