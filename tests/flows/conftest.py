@@ -106,7 +106,10 @@ def webhook(
     ledger: Ledger, recording_trigger: RecordingTrigger, webhook_secret: str
 ) -> Iterator[Webhook]:
     """The app on a real uvicorn server on loopback, over the parametrized ledger."""
-    app = create_app(ledger, recording_trigger, webhook_secret, max_body_bytes=64 * 1024)
+    # No read budget to speak of: these tests are about answers, not about read rates.
+    app = create_app(
+        ledger, recording_trigger, webhook_secret, max_body_bytes=64 * 1024, reads_per_s=1e6
+    )
     with run_in_thread(app) as url:
         yield Webhook(url, app, ledger, recording_trigger, webhook_secret)
 

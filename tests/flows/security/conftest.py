@@ -81,6 +81,6 @@ class Scoped:
 def scoped(ledger: Ledger) -> Iterator[Scoped]:
     trigger = RecordingTrigger()
     credentials = Credentials.from_mapping(credentials_document())
-    app = create_app(ledger, trigger, credentials, max_body_bytes=4 << 20)
+    app = create_app(ledger, trigger, credentials, max_body_bytes=4 << 20, reads_per_s=1e6)
     with run_in_thread(app) as url:
         yield Scoped(url, ledger, trigger)

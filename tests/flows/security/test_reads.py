@@ -10,10 +10,21 @@ from datetime import UTC, datetime
 
 import httpx
 
-from db import AlarmIn
+from db import AlarmIn, Ledger
 from detection.signing import signed_headers
+from flows.serve import run_in_thread
+from flows.trigger import RecordingTrigger
+from flows.webhook import create_app
+from flows.webhook.auth import Credentials
 from tests.flows.conftest import alarm_payload, row_counts
-from tests.flows.security.conftest import KEY_A, KEY_B, OPS_TOKEN, TEAM_A_TOKEN, Scoped
+from tests.flows.security.conftest import (
+    KEY_A,
+    KEY_B,
+    OPS_TOKEN,
+    TEAM_A_TOKEN,
+    Scoped,
+    credentials_document,
+)
 
 
 def _open_incidents(scoped: Scoped, jobs: list[str]) -> dict[str, str]:
@@ -152,3 +163,15 @@ def test_a_read_flood_never_starves_an_alarm_burst(scoped: Scoped) -> None:
     assert len(incident.alarms) == 4096
     assert set(reads) == {200}
     assert reads_at_end > 8  # the readers kept being served while the burst landed
+
+
+def test_reads_over_the_budget_are_429_with_retry_after(ledger: Ledger) -> None:
+    app = create_app(
+        ledger, RecordingTrigger(), Credentials.from_mapping(credentials_document()), reads_per_s=2
+    )
+    with run_in_thread(app) as url:
+        headers = {"Authorization": f"Bearer {OPS_TOKEN}"}
+        statuses = [httpx.get(url + "/v1/incidents", headers=headers, timeout=30) for _ in range(5)]
+    assert [r.status_code for r in statuses[:2]] == [200, 200]
+    assert statuses[-1].status_code == 429
+    assert statuses[-1].headers["retry-after"] == "1"
