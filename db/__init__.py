@@ -15,6 +15,7 @@ from db.enums import (
 )
 from db.errors import (
     ActionStateError,
+    AlarmConflict,
     CheckpointNotFound,
     IllegalTransition,
     IncidentConflict,
@@ -25,6 +26,7 @@ from db.errors import (
     LedgerTemporaryError,
     LedgerUnavailable,
     SchemaNotReady,
+    StaleRegistration,
     UnknownAction,
     UnknownIncident,
     UnknownJob,
@@ -52,6 +54,7 @@ __all__ = [
     "ActionStateError",
     "ActionStatus",
     "ActionView",
+    "AlarmConflict",
     "AlarmIn",
     "AlarmOutcome",
     "AlarmView",
@@ -75,6 +78,7 @@ __all__ = [
     "RankIn",
     "RankView",
     "SchemaNotReady",
+    "StaleRegistration",
     "UnknownAction",
     "UnknownIncident",
     "UnknownJob",

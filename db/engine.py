@@ -1,7 +1,8 @@
 """Engines for the ledger: SQLite for one machine, PostgreSQL for a fleet.
 
 SQLite is configured so that several processes (webhook, flow workers, CLI) can share one file
-safely: write-ahead logging (readers never block the writer), a busy timeout instead of instant
+safely: write-ahead logging (readers never block the writer), ``synchronous=FULL`` (an
+acknowledged alarm is on disk), a busy timeout instead of instant
 "database is locked" errors, foreign keys on, and ``BEGIN IMMEDIATE`` for write transactions so
 that two writers serialise at BEGIN instead of deadlocking on a read-to-write lock upgrade.
 Read-only work runs on :func:`read_only` engines, which begin a plain deferred transaction.
@@ -33,6 +34,10 @@ DEFAULT_DATABASE_URL = "sqlite:///.sdcguard/ledger.db"
 # Seconds a SQLite writer waits for the lock before giving up; long enough for a burst of
 # alarms from every rank of a job, short enough that a stuck writer surfaces as an error.
 SQLITE_BUSY_TIMEOUT_S = 30.0
+# PostgreSQL: no statement may run, nor wait for a lock, without bound. A stuck lock then
+# surfaces as a temporary error (the sender retries) instead of freezing ingestion.
+POSTGRES_STATEMENT_TIMEOUT_MS = 30_000
+POSTGRES_LOCK_TIMEOUT_MS = 10_000
 _READ_ONLY_OPTION = "sdcguard_read_only"
 
 
@@ -59,6 +64,12 @@ def create_engine_for(url: str | URL, **kwargs: Any) -> Engine:
         return _sqlite_engine(parsed, **kwargs)
     if parsed.get_backend_name() == "postgresql":
         options: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20}
+        connect_args: dict[str, Any] = {
+            "options": f"-c statement_timeout={POSTGRES_STATEMENT_TIMEOUT_MS} "
+            f"-c lock_timeout={POSTGRES_LOCK_TIMEOUT_MS}"
+        }
+        connect_args.update(kwargs.pop("connect_args", {}))
+        options["connect_args"] = connect_args
         options.update(kwargs)
         return create_engine(parsed, **options)
     return create_engine(parsed, **kwargs)
@@ -98,7 +109,8 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA synchronous=NORMAL")
+        # FULL: an alarm acknowledged with 202 survives a power loss, not only a crash.
+        cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
     finally:

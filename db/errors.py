@@ -101,6 +101,32 @@ class IncidentConflict(LedgerError):
         self.incident_id = incident_id
 
 
+class AlarmConflict(LedgerError):
+    """An ``alarm_id`` stored before arrives again with different content.
+
+    A re-send is the same alarm and a duplicate; the same id with another step, rank or detail
+    is either a sender bug or a forgery, and silently keeping the first would hide both.
+    """
+
+    def __init__(self, alarm_id: str, fields: list[str]) -> None:
+        super().__init__(f"alarm {alarm_id} was recorded before with different {', '.join(fields)}")
+        self.alarm_id = alarm_id
+        self.fields = fields
+
+
+class StaleRegistration(LedgerError):
+    """A rank registration older than the one the ledger holds: it must not overwrite it."""
+
+    def __init__(self, job_id: str, generation: int, current: int) -> None:
+        super().__init__(
+            f"ranks of job {job_id!r} are at generation {current}; generation {generation} "
+            "is older and was not applied"
+        )
+        self.job_id = job_id
+        self.generation = generation
+        self.current = current
+
+
 class IllegalTransition(LedgerError):
     """A state change the incident state machine forbids, or a rewrite of a closed record."""
 

@@ -58,6 +58,7 @@ __all__ = [
     "IncidentRow",
     "JobRow",
     "RankRow",
+    "RequestNonceRow",
 ]
 
 _E = TypeVar("_E", bound=StrEnum)
@@ -130,6 +131,8 @@ class JobRow(Base):
 
     id: Mapped[str] = mapped_column(String(255), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # Generation of the rank map last applied: an older registration never overwrites it.
+    ranks_generation: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class RankRow(Base):
@@ -179,6 +182,10 @@ class IncidentRow(Base):
     ranks_missing: Mapped[bool] = mapped_column(Boolean)
     storm: Mapped[bool] = mapped_column(Boolean)
     storm_reason: Mapped[str | None] = mapped_column(Text)
+    # Nodes alarms named that are not in the job's rank map: evidence, never acted on.
+    outside_rank_map: Mapped[list[str]] = mapped_column(
+        JSON, default=list, server_default=text("'[]'")
+    )
     opened_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
     closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
@@ -217,6 +224,10 @@ class AlarmRow(Base):
     detail: Mapped[dict[str, Any]] = mapped_column(JSON)
     sent_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     received_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # The suspect nodes of this alarm that were not in the job's rank map when it arrived.
+    outside_rank_map: Mapped[list[str]] = mapped_column(
+        JSON, default=list, server_default=text("'[]'")
+    )
 
 
 class CheckpointRow(Base):
@@ -296,3 +307,17 @@ class ActionEventRow(Base):
     attempt: Mapped[int] = mapped_column(Integer)
     detail: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class RequestNonceRow(Base):
+    """A signed request's nonce, kept for twice the signing window: a second use is a replay.
+
+    Shared by every webhook replica through the ledger; rows older than the window are
+    deleted as new ones arrive, so the table stays as small as one window's traffic.
+    """
+
+    __tablename__ = "request_nonces"
+
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_id: Mapped[str] = mapped_column(String(255))
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)

@@ -127,6 +127,7 @@ class AlarmView(_View):
     detail: dict[str, Any]
     sent_at: datetime | None
     received_at: datetime
+    outside_rank_map: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +201,9 @@ class IncidentView(_View):
 
     ``suspect_start``/``suspect_end`` bound the steps whose results are not trusted;
     ``ranks_missing`` says the job had registered no ranks when the incident opened, so
-    nodes could only be taken from the alarms themselves.
+    nodes could only be taken from the alarms themselves. ``outside_rank_map`` lists nodes
+    that alarms named but the job's rank map does not hold: recorded as evidence, never in
+    ``suspect_nodes``, never cordoned automatically (``needs_review`` is true while any exist).
     """
 
     id: str
@@ -225,3 +228,9 @@ class IncidentView(_View):
     reason: str | None = None
     closed_at: datetime | None = None
     history: list[IncidentEventView] = dataclasses.field(default_factory=list)
+    outside_rank_map: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def needs_review(self) -> bool:
+        """Alarms named nodes outside the job: a human decides, no automatic containment."""
+        return bool(self.outside_rank_map)

@@ -64,6 +64,7 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _SECRET_ENV = "SDCGUARD_WEBHOOK_SECRET"
+_KEY_ID_ENV = "SDCGUARD_WEBHOOK_KEY_ID"  # which of the webhook's scoped keys the secret is
 _TERMINATED = 128 + signal.SIGTERM
 # Imported once in the fork server rather than once per rank: DDP's constructor pulls in
 # torch._dynamo (about a second of CPU per process).
@@ -322,7 +323,8 @@ def _sender(config: TrainConfig, rank: int, secret: str | None) -> Any:
     )
     spool = base / f"rank-{rank}"
     spool.mkdir(parents=True, exist_ok=True)
-    return AlarmSender(config.webhook, secret, config.job, spool)
+    key_id = os.environ.get(_KEY_ID_ENV) or "default"
+    return AlarmSender(config.webhook, secret, config.job, spool, key_id=key_id)
 
 
 class _LocalGradientCapture:

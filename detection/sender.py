@@ -48,7 +48,7 @@ from urllib.parse import quote
 
 import httpx
 
-from detection.signing import signed_headers
+from detection.signing import DEFAULT_KEY_ID, signed_headers
 
 __all__ = [
     "AlarmSender",
@@ -171,7 +171,8 @@ class AlarmSender:
     """Background, spool-backed, in-order delivery to the webhook (see the module docstring).
 
     ``url`` is the webhook's base URL (``http://host:port``, a path prefix allowed); the
-    secret signs every attempt and is never logged.
+    secret signs every attempt and is never logged; ``key_id`` names it to the webhook (the
+    webhook's keys are scoped, DESIGN "Webhook signing").
     """
 
     def __init__(
@@ -185,6 +186,7 @@ class AlarmSender:
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 30.0,
         transport: httpx.BaseTransport | None = None,
+        key_id: str = DEFAULT_KEY_ID,
     ) -> None:
         base = httpx.URL(url)
         if base.scheme not in ("http", "https") or not base.host:
@@ -197,6 +199,7 @@ class AlarmSender:
             raise ValueError("need timeout_s > 0 and 0 < backoff_initial_s <= backoff_max_s")
         self._base = str(base).rstrip("/")
         self._secret = secret
+        self._key_id = key_id
         self.job_id = job_id
         self.spool_dir = Path(spool_dir)
         self._dead_dir = self.spool_dir / _DEAD
@@ -467,9 +470,11 @@ class AlarmSender:
         except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise _Permanent(None, f"corrupt spool file: {err!r}") from err
         headers = {"Content-Type": "application/json"}
-        headers.update(signed_headers(self._secret, body))
+        url = httpx.URL(self._base + path)
+        target = url.raw_path.decode("ascii")  # path and query exactly as sent
+        headers.update(signed_headers(self._key_id, self._secret, "POST", target, body))
         try:
-            response = self._client.post(self._base + path, content=body, headers=headers)
+            response = self._client.post(url, content=body, headers=headers)
         except httpx.TransportError as err:
             raise _Temporary(f"{type(err).__name__}: {err}") from err
         status = response.status_code

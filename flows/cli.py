@@ -54,14 +54,25 @@ def serve(
         str | None,
         typer.Option(help="Ledger URL [default: SDCGUARD_DATABASE_URL or SQLite in .sdcguard/]."),
     ] = None,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option(help="PEM certificate: serve HTTPS [default: SDCGUARD_WEBHOOK_TLS_CERT]."),
+    ] = None,
+    tls_key: Annotated[
+        Path | None,
+        typer.Option(help="PEM private key of --tls-cert [default: SDCGUARD_WEBHOOK_TLS_KEY]."),
+    ] = None,
 ) -> None:
-    """Run the alarm webhook and ledger API (needs SDCGUARD_WEBHOOK_SECRET).
+    """Run the alarm webhook and ledger API (needs SDCGUARD_WEBHOOK_SECRET or
+    SDCGUARD_WEBHOOK_CREDENTIALS_FILE; on PostgreSQL a schema at head: `sdcguard db upgrade`).
 
     Options left out fall back to the SDCGUARD_WEBHOOK_* settings, so a container can be
     configured through its environment alone.
     """
+    from db import SchemaNotReady
     from flows.serve import serve as run_webhook
     from flows.settings import SettingsError, WebhookSettings, load_settings
+    from flows.webhook.auth import AuthConfigError
 
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -73,8 +84,10 @@ def serve(
             port or settings.port,
             trigger or settings.trigger,
             database_url,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
         )
-    except SettingsError as err:
+    except (SettingsError, AuthConfigError, SchemaNotReady, ValueError) as err:
         typer.echo(f"sdcguard serve: {err}", err=True)
         raise typer.Exit(2) from err
 
@@ -226,12 +239,20 @@ def demo(
 @db_app.command("upgrade")
 def db_upgrade(
     database_url: Annotated[str | None, typer.Option(help=_DATABASE_URL_HELP)] = None,
+    runtime_role: Annotated[
+        str | None,
+        typer.Option(
+            help="PostgreSQL role the services connect as: granted INSERT/SELECT on the event "
+            "tables and nothing more [default: SDCGUARD_DATABASE_RUNTIME_ROLE]."
+        ),
+    ] = None,
 ) -> None:
-    """Create or migrate the ledger's tables to the newest schema."""
+    """Create or migrate the ledger's tables to the newest schema (a deployment step of its own;
+    on PostgreSQL under an advisory lock, so concurrent runs queue)."""
     from db import upgrade
 
     url = _database_url(database_url)
-    upgrade(url)
+    upgrade(url, runtime_role=runtime_role)
     typer.echo("ledger schema is up to date")
 
 

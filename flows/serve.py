@@ -1,7 +1,11 @@
 """Running the webhook: ``sdcguard serve`` in the foreground, or a server in a thread.
 
-``serve`` is the production entry point: migrate the ledger, build the trigger, run uvicorn in
-one process. One process is enough and keeps the trigger dispatcher single: the ledger is the
+``serve`` is the production entry point: check the ledger schema, build the credentials and
+the trigger, run uvicorn (HTTPS with ``--tls-cert/--tls-key``) in one process. On PostgreSQL the
+schema must already be at head — migrations are their own step (``sdcguard db upgrade``, under
+an advisory lock), and a replica never migrates a database others serve from; the embedded
+SQLite ledger still migrates itself, so ``sdcguard demo`` stays one command. One process is
+enough and keeps the trigger dispatcher single: the ledger is the
 serialisation point of an alarm storm (every alarm of a storm lands on the same incident row),
 so more worker processes add lock contention, not throughput — see ``benchmarks/webhook.py``.
 
@@ -12,17 +16,20 @@ once uvicorn has finished its start-up, lifespan included.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 from starlette.types import ASGIApp
 
 from db import Ledger
-from db.migrate import upgrade
+from db.engine import create_engine_for
+from db.migrate import require_head, upgrade
 from flows.settings import (
     DatabaseSettings,
     PrefectTriggerSettings,
@@ -37,8 +44,18 @@ from flows.trigger import (
     TriggerMode,
 )
 from flows.webhook import create_app
+from flows.webhook.auth import Credentials, TokenCache
 
-__all__ = ["ServerStartError", "make_trigger", "run_in_thread", "serve"]
+__all__ = [
+    "ServerStartError",
+    "credentials_from",
+    "make_trigger",
+    "prepare_ledger",
+    "run_in_thread",
+    "serve",
+]
+
+_READ_POOL = 4
 
 logger = logging.getLogger(__name__)
 
@@ -60,33 +77,83 @@ def make_trigger(mode: TriggerMode) -> IncidentTrigger:
     return NoTrigger()
 
 
+def credentials_from(webhook: WebhookSettings) -> Credentials:
+    """The server-side credentials the settings name: a credentials file, the one shared secret,
+    or both; with ``tokenreview`` on, service-account tokens are checked in-cluster."""
+    creds = Credentials()
+    if webhook.credentials_file is not None:
+        creds = Credentials.from_file(webhook.credentials_file)
+    if webhook.secret is not None:
+        shared = Credentials.shared(webhook.secret.get_secret_value(), webhook.key_id)
+        if webhook.checkpoint_prefix is not None:
+            key = shared.keys[webhook.key_id]
+            principal = dataclasses.replace(
+                key.principal, checkpoint_prefix=webhook.checkpoint_prefix
+            )
+            shared.keys[webhook.key_id] = dataclasses.replace(key, principal=principal)
+        creds = creds.add(shared)
+    if webhook.tokenreview:
+        from recovery.kube import api_client_in_cluster
+        from recovery.tokenreview import TokenReviewer
+
+        reviewer = TokenReviewer(api_client_in_cluster(), webhook.token_audience)
+        creds.token_review = TokenCache(reviewer.username)
+    return creds
+
+
+def prepare_ledger(url: str) -> None:
+    """SQLite: migrate (one machine, one process). PostgreSQL: refuse a schema not at head."""
+    if url.startswith("sqlite"):
+        upgrade(url)
+    else:
+        require_head(url)
+
+
 def serve(
     host: str,
     port: int,
     trigger_mode: TriggerMode | str,
     database_url: str | None = None,
+    *,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
 ) -> None:
     """Run the webhook until interrupted (``sdcguard serve``).
 
-    The secret and limits come from :class:`WebhookSettings` (``SDCGUARD_WEBHOOK_*``), the ledger
-    from ``database_url`` or :class:`DatabaseSettings`. The ledger schema is migrated first, so a
-    fresh database works and an old one is brought up to date before any alarm is accepted.
+    Credentials and limits come from :class:`WebhookSettings` (``SDCGUARD_WEBHOOK_*``), the
+    ledger from ``database_url`` or :class:`DatabaseSettings`. See the module docstring for the
+    schema check. Reads get a connection pool of their own, so a flood of reads never holds a
+    connection an alarm needs.
     """
     mode = TriggerMode(trigger_mode)
     webhook = load_settings(WebhookSettings)
+    cert = tls_cert or webhook.tls_cert
+    key = tls_key or webhook.tls_key
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
     url = database_url or load_settings(DatabaseSettings).url
-    upgrade(url)
+    prepare_ledger(url)
+    credentials = credentials_from(webhook)
     ledger = Ledger.from_url(url)
+    read_ledger = (
+        None
+        if url.startswith("sqlite")
+        else Ledger(create_engine_for(url, pool_size=_READ_POOL, max_overflow=0))
+    )
     trigger = make_trigger(mode)
     app = create_app(
         ledger,
         trigger,
-        webhook.secret.get_secret_value(),
+        credentials,
         max_body_bytes=webhook.max_body_bytes,
         window_s=webhook.window_s,
+        read_ledger=read_ledger,
+        read_threads=_READ_POOL,
+        docs=webhook.docs,
     )
     logger.info(
-        "serving the sdcguard webhook on %s:%d (trigger %s, ledger %s)",
+        "serving the sdcguard webhook on %s://%s:%d (trigger %s, ledger %s)",
+        "https" if cert else "http",
         host,
         port,
         mode.value,
@@ -95,11 +162,21 @@ def serve(
     try:
         # Access logs off: one line per alarm of a 4,096-rank storm costs more than the alarm;
         # refusals, opened incidents and trigger failures are logged by the app itself.
-        uvicorn.run(app, host=host, port=port, access_log=False, log_level="info")
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            access_log=False,
+            log_level="info",
+            ssl_certfile=str(cert) if cert else None,
+            ssl_keyfile=str(key) if key else None,
+        )
     finally:
         if isinstance(trigger, LocalTrigger):
             trigger.close(wait=False)
         ledger.engine.dispose()
+        if read_ledger is not None:
+            read_ledger.engine.dispose()
 
 
 class _ThreadServer(uvicorn.Server):

@@ -8,9 +8,10 @@ they take explicit constructor arguments, and ``flows`` builds them from the set
 
 from __future__ import annotations
 
-from typing import TypeVar
+from pathlib import Path
+from typing import Self, TypeVar
 
-from pydantic import Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from db.engine import DEFAULT_DATABASE_URL
@@ -70,13 +71,49 @@ class WebhookSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SDCGUARD_WEBHOOK_", extra="ignore")
 
-    secret: SecretStr = Field(
+    secret: SecretStr | None = Field(
+        default=None,
         min_length=16,
         description=(
-            "Shared HMAC secret of the training ranks and the webhook (SDCGUARD_WEBHOOK_SECRET). "
+            "One HMAC secret for every job (SDCGUARD_WEBHOOK_SECRET), under key id "
+            "SDCGUARD_WEBHOOK_KEY_ID: for one machine or a trusted test cluster. A cluster "
+            "should give each job or namespace its own key in SDCGUARD_WEBHOOK_CREDENTIALS_FILE. "
             "At least 16 characters: a short secret can be brute-forced from one signed request."
         ),
     )
+    key_id: str = Field(
+        default="default",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:@+=-]{0,127}$",
+        description="Key id of SDCGUARD_WEBHOOK_SECRET (senders send it in X-SDCGuard-Key-Id).",
+    )
+    checkpoint_prefix: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "Checkpoint URIs recorded with SDCGUARD_WEBHOOK_SECRET must lie under this prefix "
+            "('{job_id}' is filled in), e.g. s3://ckpts/{job_id}/. Unset: any URI."
+        ),
+    )
+    credentials_file: Path | None = Field(
+        default=None,
+        description=(
+            "JSON file of scoped signing keys, reader tokens and service accounts "
+            "(docs/security.md); mount it from a Kubernetes Secret, never commit it."
+        ),
+    )
+    tokenreview: bool = Field(
+        default=False,
+        description=(
+            "Accept projected Kubernetes service-account tokens (Authorization: Bearer), "
+            "checked with TokenReview against the in-cluster API server."
+        ),
+    )
+    token_audience: str = Field(
+        default="sdcguard", min_length=1, description="Audience the projected token must carry."
+    )
+    docs: bool = Field(default=False, description="Serve /docs and /openapi.json.")
+    tls_cert: Path | None = Field(default=None, description="PEM certificate: serve HTTPS.")
+    tls_key: Path | None = Field(default=None, description="PEM private key of tls_cert.")
     host: str = Field(
         default="127.0.0.1",
         min_length=1,
@@ -107,6 +144,17 @@ class WebhookSettings(BaseSettings):
             "deployment (prefect), a worker thread of this service (local), or nothing (none)."
         ),
     )
+
+    @model_validator(mode="after")
+    def _some_credentials(self) -> Self:
+        if self.secret is None and self.credentials_file is None:
+            raise ValueError(
+                "set SDCGUARD_WEBHOOK_SECRET or SDCGUARD_WEBHOOK_CREDENTIALS_FILE: the webhook "
+                "accepts nothing unsigned"
+            )
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("SDCGUARD_WEBHOOK_TLS_CERT and _TLS_KEY go together")
+        return self
 
 
 class PrefectTriggerSettings(BaseSettings):

@@ -171,11 +171,13 @@ def sqlite_ledger(sqlite_database_url: str) -> Iterator[Ledger]:
 
 
 def _empty_postgres_tables(url: str) -> None:
-    # TRUNCATE fires no row triggers, so the append-only tables can be emptied too.
+    # TRUNCATE fires no row triggers, so the append-only tables can be emptied too; the ledger's
+    # BEFORE TRUNCATE triggers are skipped by this admin session only (replica role).
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:
             conn.exec_driver_sql("SET LOCAL lock_timeout = '10s'")
+            conn.exec_driver_sql("SET LOCAL session_replication_role = replica")
             conn.exec_driver_sql(f"TRUNCATE {_LEDGER_TABLES} RESTART IDENTITY")
     finally:
         engine.dispose()

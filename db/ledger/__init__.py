@@ -19,7 +19,8 @@ audits recorded before it closed do not narrow a later incident's suspect range.
 The package holds one module per job, each a mixin of :class:`Ledger` over the transaction
 helpers in ``_base``: ``jobs`` (jobs, rank registration), ``alarms`` (recording, batching,
 validation), ``checkpoints`` (checkpoints, audits, quarantine, resume candidates),
-``incidents`` (incidents, transitions, listing) and ``actions`` (claims and outcomes).
+``incidents`` (incidents, transitions, listing), ``actions`` (claims and outcomes),
+``nonces`` (the replay store of signed requests) and ``pages`` (incidents a page at a time).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from db.ledger.alarms import AlarmsMixin
 from db.ledger.checkpoints import CheckpointsMixin
 from db.ledger.incidents import IncidentsMixin
 from db.ledger.jobs import JobsMixin
+from db.ledger.nonces import NoncesMixin
+from db.ledger.pages import IncidentPage, PagesMixin
 from db.views import (
     ActionClaim,
     ActionEventView,
@@ -56,6 +59,7 @@ __all__ = [
     "AlarmView",
     "CheckpointView",
     "IncidentEventView",
+    "IncidentPage",
     "IncidentView",
     "Ledger",
     "RankIn",
@@ -63,7 +67,15 @@ __all__ = [
 ]
 
 
-class Ledger(JobsMixin, AlarmsMixin, CheckpointsMixin, IncidentsMixin, ActionsMixin):
+class Ledger(
+    JobsMixin,
+    AlarmsMixin,
+    CheckpointsMixin,
+    IncidentsMixin,
+    ActionsMixin,
+    NoncesMixin,
+    PagesMixin,
+):
     """Ledger queries on one engine; safe to share between threads.
 
     Build the engine with :func:`db.engine.create_engine_for` (or use :meth:`from_url`): the

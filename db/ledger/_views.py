@@ -87,6 +87,7 @@ def _incident_views(s: Session, rows: Sequence[IncidentRow]) -> list[IncidentVie
             reason=row.reason,
             closed_at=row.closed_at,
             history=history.get(row.id, []),
+            outside_rank_map=list(row.outside_rank_map or []),
         )
         for row in rows
     ]
@@ -125,6 +126,7 @@ def _alarm_view(row: AlarmRow) -> AlarmView:
         detail=dict(row.detail),
         sent_at=row.sent_at,
         received_at=row.received_at,
+        outside_rank_map=list(row.outside_rank_map or []),
     )
 
 

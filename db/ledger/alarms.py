@@ -1,8 +1,12 @@
 """Alarms: store each once, attach it to its job's open incident, widen that incident.
 
 Invariants: an alarm is never lost (an unknown job is created) and never stored twice (its id
-is the key); a job has at most one open incident, and its suspect range and nodes always cover
-every alarm stored for it. A batch has exactly the outcomes of recording its alarms one by one.
+is the key); the same id with different content is refused (:class:`db.errors.AlarmConflict`),
+never taken for a duplicate; a job has at most one open incident, and its suspect range always
+covers every alarm stored for it. Its suspect nodes cover every suspect node *in the job's rank
+map*: a node an alarm names that the job does not run on is kept as evidence
+(``outside_rank_map`` of the alarm and the incident) and never becomes a suspect, so no stage
+acts on it. A batch has exactly the outcomes of recording its alarms one by one.
 """
 
 from __future__ import annotations
@@ -15,11 +19,11 @@ from sqlalchemy import exists, func, insert, select
 from sqlalchemy.orm import Session
 
 from db.enums import IncidentState
-from db.errors import InvalidValue
+from db.errors import AlarmConflict, InvalidValue
 from db.ledger._base import LedgerBase, _log
 from db.ledger._queries import _active_incidents, _chunks, _evidence_kinds, _new_incident
 from db.ledger._validate import _as_utc, _validate_alarm
-from db.models import AlarmRow, AuditRow, IncidentRow, JobRow
+from db.models import AlarmRow, AuditRow, IncidentRow, JobRow, RankRow
 from db.views import AlarmIn, AlarmOutcome
 
 
@@ -105,17 +109,19 @@ class AlarmsMixin(LedgerBase):
         (the locks serialised us behind any rival recording them); lock the open incidents;
         open the missing ones; widen each incident once; one executemany INSERT of the new alarms.
         """
-        stored = _stored_alarm_incidents(s, [alarm.alarm_id for alarm in batch])
+        stored = _stored_alarm_incidents(s, [alarm.alarm_id for alarm in batch], batch)
         fresh: dict[str, AlarmIn] = {}  # first copy of each new id: later copies are duplicates
         for alarm in batch:
             if alarm.alarm_id not in stored:
-                fresh.setdefault(alarm.alarm_id, alarm)
+                first = fresh.setdefault(alarm.alarm_id, alarm)
+                _same_alarm(alarm.alarm_id, _content(first), alarm)
         if not fresh:
             return [AlarmOutcome(stored[a.alarm_id], duplicate=True, opened=False) for a in batch]
         jobs = sorted({alarm.job_id for alarm in fresh.values()})
         self._lock_jobs(s, jobs)
-        stored.update(_stored_alarm_incidents(s, list(fresh)))
+        stored.update(_stored_alarm_incidents(s, list(fresh), batch))
         incidents = _active_incidents(s, jobs)
+        job_nodes = _job_nodes(s, jobs)
         now = self._clock()
         outcomes: list[AlarmOutcome] = []
         growth: dict[str, _Growth] = {}
@@ -126,6 +132,7 @@ class AlarmsMixin(LedgerBase):
                 outcomes.append(AlarmOutcome(known, duplicate=True, opened=False))
                 continue
             nodes = [str(n) for n in alarm.suspect_nodes]
+            suspects, outside = _split_by_rank_map(alarm, nodes, job_nodes.get(alarm.job_id))
             incident = incidents.get(alarm.job_id)
             opened = incident is None
             if incident is None:
@@ -135,14 +142,20 @@ class AlarmsMixin(LedgerBase):
                     now=self._clock(),
                     start=0,
                     end=alarm.step,
-                    suspect_nodes=nodes or [alarm.node],
+                    suspect_nodes=suspects,
                     reason=f"alarm {alarm.alarm_id} at step {alarm.step}",
                 )
                 incidents[alarm.job_id] = incident
             grown = growth.get(incident.id)
             if grown is None:
                 grown = growth[incident.id] = _Growth(incident, opened, alarm.step, alarm.step)
-            grown.add(alarm.step, nodes or [alarm.node])
+            grown.add(alarm.step, suspects)
+            grown.outside.update(outside)
+            if outside:
+                _log.warning(
+                    "alarm names nodes outside the job's rank map; kept as evidence only",
+                    extra={"job": alarm.job_id, "alarm": alarm.alarm_id, "nodes": outside},
+                )
             stored[alarm.alarm_id] = incident.id  # a later copy in this batch is a duplicate
             rows.append(
                 {
@@ -159,6 +172,7 @@ class AlarmsMixin(LedgerBase):
                     "detail": dict(alarm.detail),
                     "sent_at": None if alarm.sent_at is None else _as_utc(alarm.sent_at),
                     "received_at": now,
+                    "outside_rank_map": outside,
                 }
             )
             outcomes.append(AlarmOutcome(incident.id, duplicate=False, opened=opened))
@@ -217,6 +231,9 @@ class AlarmsMixin(LedgerBase):
             nodes = grown.nodes.union(incident.suspect_nodes)
             if nodes != set(incident.suspect_nodes):
                 incident.suspect_nodes = sorted(nodes)
+        outside = grown.outside.union(incident.outside_rank_map or [])
+        if outside != set(incident.outside_rank_map or []):
+            incident.outside_rank_map = sorted(outside)
         incident.updated_at = self._clock()  # flushed with the batch: one UPDATE per incident
 
 
@@ -229,6 +246,7 @@ class _Growth:
     first: int
     last: int
     nodes: set[str] = field(default_factory=set)
+    outside: set[str] = field(default_factory=set)
 
     def add(self, step: int, nodes: Sequence[str]) -> None:
         self.first = min(self.first, step)
@@ -236,13 +254,78 @@ class _Growth:
         self.nodes.update(nodes)
 
 
-def _stored_alarm_incidents(s: Session, alarm_ids: Sequence[str]) -> dict[str, str]:
-    """Incident id by alarm id, for the ids already stored: one primary-key lookup per chunk."""
+_CONTENT = ("job_id", "step", "rank", "node", "layer", "phase")
+
+
+def _content(alarm: AlarmIn) -> dict[str, Any]:
+    """What makes two alarms with one id the same alarm (``sent_at`` may differ on re-send)."""
+    return {
+        **{name: getattr(alarm, name) for name in _CONTENT},
+        "suspect_ranks": [int(r) for r in alarm.suspect_ranks],
+        "suspect_nodes": [str(n) for n in alarm.suspect_nodes],
+        "detail": dict(alarm.detail),
+    }
+
+
+def _same_alarm(alarm_id: str, known: dict[str, Any], alarm: AlarmIn) -> None:
+    new = _content(alarm)
+    differ = [name for name, value in known.items() if new[name] != value]
+    if differ:
+        raise AlarmConflict(alarm_id, differ)
+
+
+def _stored_alarm_incidents(
+    s: Session, alarm_ids: Sequence[str], batch: Sequence[AlarmIn]
+) -> dict[str, str]:
+    """Incident id by alarm id, for the ids already stored: one primary-key lookup per chunk.
+
+    Every alarm of ``batch`` whose id is stored must carry the stored content, else
+    :class:`AlarmConflict`.
+    """
     result: dict[str, str] = {}
+    by_id: dict[str, list[AlarmIn]] = {}
+    for alarm in batch:
+        by_id.setdefault(alarm.alarm_id, []).append(alarm)
     for chunk in _chunks(list(dict.fromkeys(alarm_ids))):
-        rows = s.execute(select(AlarmRow.id, AlarmRow.incident_id).where(AlarmRow.id.in_(chunk)))
-        result.update((alarm_id, incident_id) for alarm_id, incident_id in rows)
+        rows = s.scalars(select(AlarmRow).where(AlarmRow.id.in_(chunk)))
+        for row in rows:
+            result[row.id] = row.incident_id
+            known = {
+                **{name: getattr(row, name) for name in _CONTENT},
+                "suspect_ranks": list(row.suspect_ranks),
+                "suspect_nodes": list(row.suspect_nodes),
+                "detail": dict(row.detail),
+            }
+            for alarm in by_id.get(row.id, []):
+                _same_alarm(row.id, known, alarm)
     return result
+
+
+def _job_nodes(s: Session, job_ids: Sequence[str]) -> dict[str, set[str]]:
+    """The nodes each job's rank map holds; a job with no registered ranks is absent."""
+    result: dict[str, set[str]] = {}
+    for chunk in _chunks(list(job_ids)):
+        rows = s.execute(
+            select(RankRow.job_id, RankRow.node).where(RankRow.job_id.in_(chunk)).distinct()
+        )
+        for job_id, node in rows:
+            result.setdefault(job_id, set()).add(node)
+    return result
+
+
+def _split_by_rank_map(
+    alarm: AlarmIn, nodes: Sequence[str], job_nodes: set[str] | None
+) -> tuple[list[str], list[str]]:
+    """(suspects to act on, nodes outside the job's rank map) of one alarm.
+
+    No suspect nodes means the reporting node. A job without registered ranks cannot be
+    checked: its alarm's nodes are taken as given (the incident is flagged ``ranks_missing``).
+    """
+    named = list(dict.fromkeys(nodes or [alarm.node]))
+    if job_nodes is None:
+        return named, []
+    outside = sorted({n for n in [*named, alarm.node] if n not in job_nodes})
+    return [n for n in named if n in job_nodes], outside
 
 
 def _has_alarm_at_or_before(s: Session, incident: IncidentRow, step: int) -> bool:

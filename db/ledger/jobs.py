@@ -2,6 +2,10 @@
 
 Invariant: one row per (job, rank); a re-registration overwrites placement in place, so the
 map always names the node a rank runs on now, and ``first_seen`` survives replacements.
+Registrations carry a generation (a number the job increases with each placement, e.g. its
+restart count or start time): one older than the job's current generation is refused with
+:class:`db.errors.StaleRegistration`, so a delayed or replayed registration never reverts a
+newer map. Equal generations re-apply (a re-send is harmless).
 """
 
 from __future__ import annotations
@@ -11,11 +15,11 @@ from collections.abc import Sequence
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from db.errors import InvalidValue
+from db.errors import InvalidValue, StaleRegistration
 from db.ledger._base import LedgerBase, _log
 from db.ledger._validate import _optional_text, _require_step, _require_text
 from db.ledger._views import _rank_view
-from db.models import RankRow
+from db.models import JobRow, RankRow
 from db.views import RankIn, RankView
 
 
@@ -27,13 +31,15 @@ class JobsMixin(LedgerBase):
         _require_text("job_id", job_id)
         self._write("ensure_job", lambda s: self._ensure_job(s, job_id))
 
-    def register_ranks(self, job_id: str, ranks: Sequence[RankIn]) -> None:
+    def register_ranks(self, job_id: str, ranks: Sequence[RankIn], *, generation: int = 0) -> None:
         """Record where each rank runs, creating the job if needed.
 
         Upsert by (job, rank): a re-registration (e.g. after a node was replaced) overwrites
-        node, instance and GPU, keeps ``first_seen`` and moves ``last_seen``.
+        node, instance and GPU, keeps ``first_seen`` and moves ``last_seen``. ``generation``
+        below the job's current one raises :class:`StaleRegistration` and changes nothing.
         """
         _require_text("job_id", job_id)
+        _require_step("generation", generation)
         seen: set[int] = set()
         for rank in ranks:
             _require_step("rank", rank.rank)
@@ -46,7 +52,11 @@ class JobsMixin(LedgerBase):
             seen.add(rank.rank)
 
         def work(s: Session) -> None:
-            self._ensure_job(s, job_id, lock=True)
+            job = self._ensure_job(s, job_id, lock=True)
+            current = job.ranks_generation or 0
+            if generation < current:
+                raise StaleRegistration(job_id, generation, current)
+            job.ranks_generation = generation
             now = self._clock()
             existing = {
                 row.rank: row for row in s.scalars(select(RankRow).where(RankRow.job_id == job_id))
@@ -76,6 +86,12 @@ class JobsMixin(LedgerBase):
 
         self._write("register_ranks", work)
         _log.info("ranks registered", extra={"job": job_id, "ranks": len(ranks)})
+
+    def job_ids(self) -> list[str]:
+        """Every job the ledger knows, in id order (to resolve a reader's job patterns)."""
+        return self._read(
+            "job_ids", lambda s: list(s.scalars(select(JobRow.id).order_by(JobRow.id)))
+        )
 
     def rank_map(self, job_id: str) -> dict[int, RankView]:
         """The job's ranks by rank number; empty for a job the ledger does not know."""

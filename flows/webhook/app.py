@@ -1,25 +1,34 @@
 """The webhook app (``sdcguard serve``): ``create_app``, its routes and its error handlers.
 
-Every POST goes through the signed route (:mod:`flows.webhook.signed`: size, signature, JSON),
-then its request model (:mod:`flows.webhook.models`), then the ledger in one transaction, whose
-typed errors become 4xx/503 with the reason. Alarms go to the ledger through the batcher
-(:mod:`flows.webhook.batcher`). GET routes change nothing and need no signature.
+Every POST goes through the signed route (:mod:`flows.webhook.signed`: size, authentication,
+JSON), then its request model (:mod:`flows.webhook.models`), then :func:`admit` (the caller's
+scope covers the job; the nonce is claimed once, :mod:`flows.webhook.replay`), then the ledger
+in one transaction, whose typed errors become 4xx/503 with the reason. Alarms go to the ledger
+through the batcher (:mod:`flows.webhook.batcher`). GET routes change nothing and need a
+``reader``: a signed GET or a bearer token.
 
-Endpoints are ``async`` and run the synchronous ledger in worker threads, capped by a capacity
-limiter sized to the ledger's connection pool, so a burst of alarms queues in the event loop
-instead of in threads blocked on pool checkout.
+Endpoints are ``async`` and run the synchronous ledger in worker threads. Writes and reads have
+their own capacity limiters (and, from ``sdcguard serve``, their own connection pools), so a
+flood of reads waits for read threads and never takes a thread or a connection an alarm needs.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import datetime
 from typing import Annotated, Any, TypeVar
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, FastAPI, Path, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from db import (
@@ -36,9 +45,11 @@ from db import (
     UnknownJob,
 )
 from flows.trigger import IncidentTrigger, TriggerDispatcher
+from flows.webhook.auth import Credentials, Principal
 from flows.webhook.batcher import DEFAULT_ALARM_BATCH, AlarmBatcher, AlarmQueue
 from flows.webhook.models import (
     LEDGER_ERRORS,
+    READ_ERRORS,
     SIGNED_ERRORS,
     AlarmAccepted,
     AlarmBody,
@@ -51,7 +62,16 @@ from flows.webhook.models import (
     RanksRegistered,
     TriggerQueued,
 )
-from flows.webhook.signed import Guard, signed_route_class
+from flows.webhook.replay import ReplayStore
+from flows.webhook.signed import (
+    Guard,
+    Refused,
+    admit,
+    authenticate_read,
+    printable,
+    refusal,
+    signed_route_class,
+)
 
 __all__ = ["alarm_queue_of", "create_app", "dispatcher_of"]
 
@@ -76,6 +96,49 @@ def _ledger_status(err: LedgerError) -> int:
     return 409
 
 
+def _public_message(err: LedgerError, status: int, method: str) -> str:
+    """What a caller may read. Never the text of an unavailable database (it names hosts and
+    roles); to a reader, never a driver's error text either. A writer is told why its own
+    record was refused (a constraint, a conflict), so its sender can log the reason."""
+    if status == 503:
+        return "the ledger is unavailable; retry later"
+    if method != "POST" and type(err) is LedgerError:
+        return "the ledger could not answer this read"
+    return printable(str(err), 2000)
+
+
+def _safe_json(value: Any) -> Any:
+    """A JSON value with every string escaped of lone surrogates (a 422 must never be a 500)."""
+    if isinstance(value, str):
+        return printable(value, 2000)
+    if isinstance(value, dict):
+        return {_safe_json(k): _safe_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_safe_json(v) for v in value]
+    return value
+
+
+def _encode_cursor(after: tuple[datetime, str] | None) -> str | None:
+    if after is None:
+        return None
+    raw = json.dumps([after[0].isoformat(), after[1]]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        at, last_id = json.loads(raw)
+        if not isinstance(last_id, str) or not isinstance(at, str):
+            raise ValueError("cursor fields")
+        parsed = datetime.fromisoformat(at)
+        if parsed.tzinfo is None:
+            raise ValueError("naive cursor")
+        return parsed, last_id
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as err:
+        raise InvalidValue("cursor is not one this API returned") from err
+
+
 def alarm_queue_of(app: FastAPI) -> AlarmQueue:
     """How many alarms wait for the ledger and how many are being written (to watch a storm)."""
     batcher = app.state.alarm_batcher
@@ -93,32 +156,48 @@ def dispatcher_of(app: FastAPI) -> TriggerDispatcher:
 def create_app(
     ledger: Ledger,
     trigger: IncidentTrigger,
-    secret: str,
+    credentials: Credentials | str,
     *,
     max_body_bytes: int = 1 << 20,
     window_s: int = 300,
     max_alarm_batch: int = DEFAULT_ALARM_BATCH,
+    read_ledger: Ledger | None = None,
+    read_threads: int = 4,
+    reads_per_s: float = 50.0,
+    docs: bool = False,
 ) -> FastAPI:
     """The webhook + ledger API over ``ledger``; opened incidents go to ``trigger``.
 
-    ``secret`` is the shared HMAC key of DESIGN's "Webhook signing"; it is kept only inside the
-    signature check and never logged. Concurrent alarms are recorded up to ``max_alarm_batch``
-    per ledger transaction. On start-up every incident still ``open`` is fired again:
-    an incident whose flow was lost with a previous process (crash between record and fire, or
-    a fire still failing at shutdown) is started now — safe, since Prefect refuses a second run
-    for the same idempotency key and the flow itself claims each action once.
+    ``credentials`` are the server-side keys, reader tokens and service accounts
+    (:mod:`flows.webhook.auth`); a plain string is one shared key (id ``default``) for every
+    job, for a single machine. Secrets stay inside the checks and are never logged.
+    Concurrent alarms are recorded up to ``max_alarm_batch`` per ledger transaction. Reads run
+    on ``read_ledger`` (default: ``ledger``) in at most ``read_threads`` threads of their own,
+    at most ``reads_per_s`` per second (429 above: :class:`ReadBudget`).
+    ``docs`` serves ``/docs`` and ``/openapi.json`` (off by default: the schema is no secret,
+    but nothing unauthenticated should answer). On start-up every incident still ``open`` is
+    fired again: an incident whose flow was lost with a previous process (crash between record
+    and fire, or a fire still failing at shutdown) is started now — safe, since Prefect refuses
+    a second run for the same idempotency key and the flow itself claims each action once.
     """
-    if not secret:
-        raise ValueError("the webhook secret must not be empty")
-    guard = Guard(secret.encode(), max_body_bytes, window_s)
+    creds = Credentials.shared(credentials) if isinstance(credentials, str) else credentials
+    reads = read_ledger or ledger
     dispatcher = TriggerDispatcher(trigger)
     pool_limit = _pool_capacity(ledger)
+    if reads is ledger:  # one pool: reads get their threads out of it, writes keep the rest
+        pool_limit = max(1, pool_limit - read_threads)
     limiter: anyio.CapacityLimiter | None = None
+    read_limiter: anyio.CapacityLimiter | None = None
 
     async def in_thread(fn: Callable[..., _T], *args: Any) -> _T:
         return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
+    async def in_read_thread(fn: Callable[..., _T], *args: Any) -> _T:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=read_limiter)
+
+    guard = Guard(creds, max_body_bytes, window_s, in_read_thread)
     batcher = AlarmBatcher(ledger, dispatcher, in_thread, max_alarm_batch)
+    replay = ReplayStore(ledger, in_thread, window_s, shared=ledger.engine.dialect.name != "sqlite")
 
     async def refire_open_incidents() -> None:
         try:
@@ -135,9 +214,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        nonlocal limiter
+        nonlocal limiter, read_limiter
         limiter = anyio.CapacityLimiter(pool_limit)
+        read_limiter = anyio.CapacityLimiter(max(1, read_threads))
         dispatcher.start()
+        replay.start()
         batcher.start()
         await refire_open_incidents()
         try:
@@ -145,6 +226,7 @@ def create_app(
         finally:
             try:
                 await batcher.close()  # first: its last batches may still open an incident
+                await replay.close()
             finally:
                 await anyio.to_thread.run_sync(dispatcher.close)
 
@@ -153,14 +235,22 @@ def create_app(
         version="1",
         summary="Signed SDC alarms in, incidents out.",
         description=(
-            "Every POST is signed: `X-SDCGuard-Timestamp: <unix seconds>` and "
-            '`X-SDCGuard-Signature: sha256=<hex HMAC-SHA256(secret, "<timestamp>.<raw body>")>`'
-            "; requests outside ±window or with a wrong signature get 401 and change nothing."
+            "Every POST is signed over its canonical request (method, path, query, SHA-256 of "
+            "the body, timestamp, key id, nonce): headers `X-SDCGuard-Timestamp`, "
+            "`X-SDCGuard-Key-Id`, `X-SDCGuard-Nonce`, `X-SDCGuard-Signature: sha256=<hex>` "
+            '(DESIGN "Webhook signing"). Unsigned, forged, stale or replayed requests get '
+            "401, a key outside its jobs 403; neither changes anything. Reads need a reader: "
+            "a signed GET or `Authorization: Bearer <token>`."
         ),
         lifespan=lifespan,
         strict_content_type=False,
+        docs_url="/docs" if docs else None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if docs else None,
     )
     app.state.dispatcher = dispatcher
+    app.state.guard = guard
+    app.state.read_budget = ReadBudget(reads_per_s, burst=max(1, int(reads_per_s)))
     app.state.alarm_batcher = batcher
 
     @app.exception_handler(LedgerError)
@@ -170,10 +260,23 @@ def create_app(
         log = logger.error if status == 503 else logger.info
         log("ledger refused %s %s: %s", request.method, request.url.path, err)
         headers = {"Retry-After": "5"} if status == 503 else None
+        message = _public_message(err, status, request.method)
         if status == 422:  # one shape for every 422: FastAPI's list of located errors
-            problem = {"type": "ledger_invalid", "loc": ["body"], "msg": str(err), "input": None}
+            problem = {"type": "ledger_invalid", "loc": ["body"], "msg": message, "input": None}
             return JSONResponse({"detail": [problem]}, status_code=422)
-        return JSONResponse({"detail": str(err)}, status_code=status, headers=headers)
+        return JSONResponse({"detail": message}, status_code=status, headers=headers)
+
+    @app.exception_handler(Refused)
+    async def refused(request: Request, err: Exception) -> JSONResponse:
+        assert isinstance(err, Refused)
+        return refusal(request, err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, err: Exception) -> JSONResponse:
+        """FastAPI's 422 shape, with inputs escaped: a lone surrogate must not make it a 500."""
+        assert isinstance(err, RequestValidationError)
+        errors = _safe_json(jsonable_encoder(err.errors(), custom_encoder={bytes: repr}))
+        return JSONResponse({"detail": errors}, status_code=422)
 
     signed = APIRouter(route_class=signed_route_class(guard), responses=SIGNED_ERRORS)
 
@@ -184,7 +287,8 @@ def create_app(
         responses=LEDGER_ERRORS,
         summary="Record an alarm; the alarm that opens an incident starts its flow.",
     )
-    async def post_alarm(alarm: AlarmBody) -> AlarmAccepted:
+    async def post_alarm(alarm: AlarmBody, request: Request) -> AlarmAccepted:
+        await admit(request, alarm.job_id, replay)
         record = AlarmIn(
             alarm_id=str(alarm.alarm_id),
             job_id=alarm.job_id,
@@ -213,7 +317,10 @@ def create_app(
         responses=LEDGER_ERRORS,
         summary="Register (or move) the ranks of a job; creates the job.",
     )
-    async def post_ranks(job_id: Annotated[JobId, Path()], body: RanksBody) -> RanksRegistered:
+    async def post_ranks(
+        job_id: Annotated[JobId, Path()], body: RanksBody, request: Request
+    ) -> RanksRegistered:
+        await admit(request, job_id, replay)
         ranks = [
             RankIn(
                 rank=r.rank,
@@ -227,7 +334,7 @@ def create_app(
 
         def register() -> None:
             ledger.ensure_job(job_id)
-            ledger.register_ranks(job_id, ranks)
+            ledger.register_ranks(job_id, ranks, generation=body.generation)
 
         await in_thread(register)
         logger.info("registered %d ranks", len(ranks), extra={"job": job_id})
@@ -240,8 +347,10 @@ def create_app(
         summary="Record a checkpoint as pending; a later passed audit verifies it.",
     )
     async def post_checkpoint(
-        job_id: Annotated[JobId, Path()], body: CheckpointBody
+        job_id: Annotated[JobId, Path()], body: CheckpointBody, request: Request
     ) -> dict[str, Any]:
+        await admit(request, job_id, replay, checkpoint_uri=body.uri)
+
         def record() -> dict[str, Any]:
             view = ledger.record_checkpoint(
                 job_id, body.step, body.uri, body.sha256, body.fingerprint, list(body.nodes)
@@ -263,7 +372,10 @@ def create_app(
         responses=LEDGER_ERRORS,
         summary="Record an audit; a passed one verifies earlier pending checkpoints.",
     )
-    async def post_audit(job_id: Annotated[JobId, Path()], body: AuditBody) -> AuditRecorded:
+    async def post_audit(
+        job_id: Annotated[JobId, Path()], body: AuditBody, request: Request
+    ) -> AuditRecorded:
+        await admit(request, job_id, replay)
         verified = await in_thread(
             ledger.record_audit, job_id, body.step, body.kind, list(body.ranks), body.passed
         )
@@ -277,9 +389,10 @@ def create_app(
         summary="Fire the trigger of a recorded incident again (after a failed start).",
     )
     async def post_trigger(
-        incident_id: Annotated[IncidentId, Path()],
+        incident_id: Annotated[IncidentId, Path()], request: Request
     ) -> TriggerQueued:
         incident = await in_thread(ledger.get_incident, incident_id)
+        await admit(request, incident.job_id, replay)
         queued = dispatcher.submit(incident.id, incident.job_id)
         return TriggerQueued(incident_id=incident.id, queued=queued)
 
@@ -287,23 +400,43 @@ def create_app(
 
     @app.get(
         "/v1/incidents",
-        responses=LEDGER_ERRORS,
-        summary="Incidents, newest first; filter by job and state.",
+        responses={**READ_ERRORS, **LEDGER_ERRORS},
+        summary="Incident summaries, newest first, a page at a time; filter by job and state.",
     )
     async def get_incidents(
+        principal: Reader,
         job_id: Annotated[JobId | None, Query()] = None,
         state: Annotated[IncidentState | None, Query()] = None,
-    ) -> dict[str, list[dict[str, Any]]]:
-        incidents = await in_thread(ledger.list_incidents, job_id, state)
-        return {"incidents": [incident.to_dict() for incident in incidents]}
+        limit: Annotated[int, Query(ge=1, le=200)] = 50,
+        cursor: Annotated[str | None, Query(max_length=512, pattern=r"^[A-Za-z0-9_-]+$")] = None,
+    ) -> dict[str, Any]:
+        jobs: frozenset[str] | None = None
+        if job_id is not None and not principal.covers(job_id):
+            raise Refused(403, f"{printable(principal.name)} may not read job {job_id}")
+        if not principal.all_jobs and job_id is None:
+            jobs = await in_read_thread(_covered_jobs, reads, principal)
+        after = None if cursor is None else _decode_cursor(cursor)
+
+        def page() -> Any:
+            return reads.list_incidents_page(job_id, state, limit=limit, after=after, jobs=jobs)
+
+        found = await in_read_thread(page)
+        return {
+            "incidents": found.incidents,
+            "next_cursor": _encode_cursor(found.next_after),
+        }
 
     @app.get(
         "/v1/incidents/{incident_id}",
-        responses=LEDGER_ERRORS,
+        responses={**READ_ERRORS, **LEDGER_ERRORS},
         summary="One incident with its alarms, suspect range, actions and history.",
     )
-    async def get_incident(incident_id: Annotated[IncidentId, Path()]) -> dict[str, Any]:
-        incident = await in_thread(ledger.get_incident, incident_id)
+    async def get_incident(
+        principal: Reader, incident_id: Annotated[IncidentId, Path()]
+    ) -> dict[str, Any]:
+        incident = await in_read_thread(reads.get_incident, incident_id)
+        if not principal.covers(incident.job_id):
+            raise UnknownIncident(incident_id)  # not 403: do not confirm that it exists
         return incident.to_dict()
 
     @app.get("/healthz", summary="Liveness, and incidents whose flow is not started yet.")
@@ -318,6 +451,51 @@ def create_app(
         }
 
     return app
+
+
+class ReadBudget:
+    """A token bucket over all reads: ``rate`` per second, ``burst`` at once.
+
+    Reads and alarms share the CPU; a flood of reads that were all served would slow alarm
+    ingestion however many threads and connections each side has. Over budget, a read is
+    refused with 429 before anything else is done for it (no signature check, no query), so a
+    refused read costs next to nothing.
+    """
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self._rate = rate
+        self._burst = float(burst)
+        self._tokens = float(burst)
+        self._at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+
+async def _reader(request: Request) -> Principal:
+    """A dependency: solved before the query is validated, so an anonymous caller learns
+    nothing, not even which parameters are wrong."""
+    budget = request.app.state.read_budget
+    assert isinstance(budget, ReadBudget)
+    if not budget.take():
+        raise Refused(429, "too many reads; retry in a second")
+    guard = request.app.state.guard
+    assert isinstance(guard, Guard)
+    return await authenticate_read(request, guard)
+
+
+Reader = Annotated[Principal, Depends(_reader)]
+
+
+def _covered_jobs(ledger: Ledger, principal: Principal) -> frozenset[str]:
+    """The known job ids a reader scoped by patterns may see."""
+    return frozenset(job for job in ledger.job_ids() if principal.covers(job))
 
 
 def _pool_capacity(ledger: Ledger) -> int:

@@ -4,10 +4,17 @@ Invariant: a body that passes these models is one the ledger can store. Bounds f
 ledger's columns (32-bit integers, 255-character strings), so a valid-looking request is
 refused here with a 422 naming the field instead of failing in the database with a 500.
 Unknown fields are ignored, so a newer sender never loses an alarm to a 422.
+
+Size limits (DESIGN "Webhook API"), so one request cannot make the ledger or a stage do
+unbounded work: an alarm names at most :data:`MAX_SUSPECT_NODES` suspect nodes and
+:data:`MAX_SUSPECT_RANKS` suspect ranks, its ``detail`` holds at most :data:`MAX_DETAIL_KEYS`
+keys and :data:`MAX_DETAIL_BYTES` bytes of JSON; a registration, a checkpoint's nodes and an
+audit's ranks at most :data:`MAX_RANKS` entries.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -30,6 +37,12 @@ from detection.alarm import Layer, Phase
 
 __all__ = [
     "LEDGER_ERRORS",
+    "MAX_DETAIL_BYTES",
+    "MAX_DETAIL_KEYS",
+    "MAX_RANKS",
+    "MAX_SUSPECT_NODES",
+    "MAX_SUSPECT_RANKS",
+    "READ_ERRORS",
     "SIGNED_ERRORS",
     "AlarmAccepted",
     "AlarmBody",
@@ -53,6 +66,11 @@ __all__ = [
 # Columns of the ledger are 32-bit integers and 255-character strings; bounds here keep a
 # valid-looking request from reaching the database only to fail there with a 500.
 _MAX_INT = 2**31 - 1
+MAX_SUSPECT_NODES = 256
+MAX_SUSPECT_RANKS = 1024
+MAX_DETAIL_KEYS = 64
+MAX_DETAIL_BYTES = 16 * 1024
+MAX_RANKS = 16_384
 _ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:@+=-]*$"
 
 JobId = Annotated[
@@ -120,10 +138,21 @@ class AlarmBody(_Body):
     node: NodeName = Field(description="The reporting rank's node.")
     layer: Layer
     phase: Phase
-    suspect_ranks: list[RankNumber]
-    suspect_nodes: list[NodeName]
-    detail: dict[str, JsonValue] = Field(default_factory=dict)
+    suspect_ranks: list[RankNumber] = Field(max_length=MAX_SUSPECT_RANKS)
+    suspect_nodes: list[NodeName] = Field(max_length=MAX_SUSPECT_NODES)
+    detail: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        max_length=MAX_DETAIL_KEYS,
+        description=f"Evidence; at most {MAX_DETAIL_KEYS} keys and {MAX_DETAIL_BYTES} bytes.",
+    )
     sent_at: Rfc3339
+
+    @model_validator(mode="after")
+    def _detail_size(self) -> AlarmBody:
+        size = len(json.dumps(self.detail, separators=(",", ":")).encode())
+        if size > MAX_DETAIL_BYTES:
+            raise ValueError(f"detail is {size} bytes of JSON, over {MAX_DETAIL_BYTES}")
+        return self
 
 
 class AlarmAccepted(BaseModel):
@@ -142,7 +171,14 @@ class RankEntry(_Body):
 class RanksBody(_Body):
     """DESIGN ``POST /v1/jobs/{job_id}/ranks``; each rank appears once."""
 
-    ranks: list[RankEntry] = Field(min_length=1)
+    ranks: list[RankEntry] = Field(min_length=1, max_length=MAX_RANKS)
+    generation: Annotated[int, Field(strict=True, ge=0, le=2**62)] = Field(
+        default=0,
+        description=(
+            "Increases with each placement of the job (e.g. its start time in ms); a "
+            "registration older than the job's current generation is refused with 409."
+        ),
+    )
 
     @model_validator(mode="after")
     def _unique_ranks(self) -> RanksBody:
@@ -169,7 +205,7 @@ class CheckpointBody(_Body):
     ]
     sha256: Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{64}$")]
     fingerprint: Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{32}$")]
-    nodes: list[NodeName]
+    nodes: list[NodeName] = Field(max_length=MAX_RANKS)
     status: Literal["pending", "quarantined"] = Field(
         default="pending",
         description="`quarantined`: the job's checkpoint gate closed on an alarm and holds "
@@ -182,7 +218,7 @@ class AuditBody(_Body):
 
     step: Step
     kind: AuditKind
-    ranks: list[RankNumber]
+    ranks: list[RankNumber] = Field(max_length=MAX_RANKS)
     passed: StrictBool
 
 
@@ -203,10 +239,21 @@ class ErrorBody(BaseModel):
 
 SIGNED_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorBody, "description": "Body is not JSON (or not UTF-8)."},
-    401: {"model": ErrorBody, "description": "Unsigned, forged or stale request; nothing written."},
+    401: {
+        "model": ErrorBody,
+        "description": "Unsigned, forged, stale or replayed request; nothing written.",
+    },
+    403: {"model": ErrorBody, "description": "The key may not write for this job."},
     413: {"model": ErrorBody, "description": "Body over the size limit."},
     415: {"model": ErrorBody, "description": "Body is not application/json."},
     503: {"model": ErrorBody, "description": "Ledger unavailable or not migrated; retry later."},
+}
+READ_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "Not authenticated."},
+    403: {"model": ErrorBody, "description": "Not a reader, or not of this job."},
+    429: {"model": ErrorBody, "description": "Over the read budget; retry after Retry-After."},
+    422: {"description": "Invalid query (limit, cursor, job id, state)."},
+    503: {"model": ErrorBody, "description": "Ledger unavailable; retry later."},
 }
 LEDGER_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorBody, "description": "Unknown job or incident."},

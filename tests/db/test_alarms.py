@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from db import AlarmIn, IncidentState, InvalidValue, Ledger
+from db import AlarmConflict, AlarmIn, IncidentState, InvalidValue, Ledger
 from tests.db.support import make_alarm, register, row_counts
 
 
@@ -148,9 +148,9 @@ def test_a_batch_has_the_outcomes_of_recording_one_by_one(ledger: Ledger) -> Non
     batch = [
         make_alarm(step=40, alarm_id="b-1", suspect_nodes=["node-1"]),
         make_alarm(step=38, alarm_id="b-2", suspect_nodes=[]),
-        make_alarm(step=40, alarm_id="b-1"),  # a re-send inside the batch
-        make_alarm("ghost-job", step=1, alarm_id="b-1"),  # its id is all that counts
-        make_alarm("other-job", step=2, alarm_id="stored"),  # already in the ledger
+        make_alarm(step=40, alarm_id="b-1", suspect_nodes=["node-1"]),  # a re-send in the batch
+        make_alarm(step=40, alarm_id="b-1", suspect_nodes=["node-1"]),  # and another
+        make_alarm("other-job", step=3, alarm_id="stored"),  # already in the ledger
         make_alarm("other-job", step=9, alarm_id="b-3", suspect_nodes=["node-3"]),
         make_alarm("new-job", step=5, alarm_id="b-4"),
     ]
@@ -175,7 +175,42 @@ def test_a_batch_has_the_outcomes_of_recording_one_by_one(ledger: Ledger) -> Non
     assert other.suspect_nodes == ["node-2", "node-3"]
     assert new_job.ranks_missing is True
     counts = row_counts(ledger.engine)
-    assert (counts["alarms"], counts["jobs"]) == (5, 3)  # no ghost-job: a duplicate creates none
+    assert (counts["alarms"], counts["jobs"]) == (5, 3)
+
+
+def test_an_alarm_id_seen_before_with_other_content_is_a_conflict(ledger: Ledger) -> None:
+    register(ledger)
+    ledger.record_alarm(make_alarm(step=7, alarm_id="a-1"))
+    counts = row_counts(ledger.engine)
+    with pytest.raises(AlarmConflict, match="different step"):
+        ledger.record_alarm(make_alarm(step=2_000_000_000, alarm_id="a-1"))
+    with pytest.raises(AlarmConflict, match="different detail"):
+        ledger.record_alarms([make_alarm(step=7, alarm_id="a-1", detail={"delta": 9.0})])
+    with pytest.raises(AlarmConflict, match="different suspect_nodes"):  # inside one batch
+        ledger.record_alarms(
+            [make_alarm(alarm_id="b-1"), make_alarm(alarm_id="b-1", suspect_nodes=["node-3"])]
+        )
+    assert row_counts(ledger.engine) == counts
+    assert ledger.record_alarm(make_alarm(step=7, alarm_id="a-1")).duplicate  # the same: fine
+
+
+def test_suspect_nodes_outside_the_rank_map_are_evidence_never_suspects(ledger: Ledger) -> None:
+    register(ledger)  # node-0 .. node-3
+    ledger.record_alarm(make_alarm(suspect_nodes=["node-2", "ip-10-0-0-9", "node-77"]))
+    ledger.record_alarm(make_alarm(node="rogue", suspect_nodes=["rogue"]))
+    [incident] = ledger.list_incidents("job-1")
+    assert incident.suspect_nodes == ["node-2"]
+    assert incident.outside_rank_map == ["ip-10-0-0-9", "node-77", "rogue"]
+    assert incident.needs_review
+    assert [a.outside_rank_map for a in incident.alarms] == [["ip-10-0-0-9", "node-77"], ["rogue"]]
+
+
+def test_an_incident_within_the_rank_map_needs_no_review(ledger: Ledger) -> None:
+    register(ledger)
+    ledger.record_alarm(make_alarm(suspect_nodes=["node-1"]))
+    [incident] = ledger.list_incidents("job-1")
+    assert (incident.suspect_nodes, incident.outside_rank_map) == (["node-1"], [])
+    assert not incident.needs_review
 
 
 def test_a_batch_of_resends_only_changes_nothing(ledger: Ledger) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from detection.harness import main
-from detection.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, verify
+from detection.signing import verify
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "harness-test-secret"
@@ -106,9 +106,10 @@ class _Webhook:
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
                 try:
                     verify(
-                        SECRET,
-                        self.headers.get(TIMESTAMP_HEADER),
-                        self.headers.get(SIGNATURE_HEADER),
+                        {"default": SECRET.encode()}.get,
+                        self.headers,
+                        "POST",
+                        self.path,
                         raw,
                     )
                 except Exception:

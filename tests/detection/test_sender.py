@@ -27,7 +27,7 @@ from detection.sender import (
     SenderClosedError,
     SpoolBusyError,
 )
-from detection.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, SignatureError, verify
+from detection.signing import SignatureError, verify
 
 SECRET = "test-secret-\u00e9"  # non-ASCII on purpose: the key is its UTF-8 bytes
 JOB = "job-7"
@@ -70,11 +70,12 @@ class Webhook:
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
                 try:
                     ts = verify(
-                        SECRET,
-                        self.headers.get(TIMESTAMP_HEADER),
-                        self.headers.get(SIGNATURE_HEADER),
+                        {"default": SECRET.encode()}.get,
+                        self.headers,
+                        "POST",
+                        self.path,
                         raw,
-                    )
+                    ).timestamp
                 except SignatureError as err:
                     with hook.changed:
                         hook.forged.append(err.reason)

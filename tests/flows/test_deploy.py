@@ -115,7 +115,10 @@ class _ApiBoundTrigger:
 
 def _post(url: str, path: str, payload: Any) -> httpx.Response:
     body = json.dumps(payload).encode()
-    headers = {"Content-Type": "application/json", **signed_headers(SECRET, body)}
+    headers = {
+        "Content-Type": "application/json",
+        **signed_headers("default", SECRET, "POST", path, body),
+    }
     return httpx.post(url + path, content=body, headers=headers, timeout=30)
 
 

@@ -16,11 +16,18 @@ import httpx
 import pytest
 
 from db import Ledger
-from detection.signing import SIGNATURE_HEADER, TIMESTAMP_HEADER, sign, signed_headers
+from detection.signing import SIGNATURE_HEADER, signed_headers
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app, dispatcher_of
 from tests.flows.conftest import Webhook, alarm_payload, ranks_payload, row_counts
+
+
+def _sig(
+    secret: str, body: bytes, path: str = "/v1/alarms", now: float | None = None
+) -> dict[str, str]:
+    """The signature headers of a POST of ``body`` to ``path`` with the default key."""
+    return signed_headers("default", secret, "POST", path, body, now=now)
 
 
 def _detail(response: httpx.Response) -> str:
@@ -149,15 +156,24 @@ def test_incident_list_filters_by_job_and_state(webhook: Webhook) -> None:
 
 @pytest.mark.parametrize("path", ["/v1/incidents/%00", "/v1/incidents/a%ed%a0%80b"])
 def test_incident_id_the_database_cannot_hold_is_422(webhook: Webhook, path: str) -> None:
-    response = httpx.get(webhook.url + path)
+    assert httpx.get(webhook.url + path).status_code == 401  # a reader first
+    response = webhook.get(path)
 
     assert response.status_code == 422
     assert response.json()["detail"][0]["loc"] == ["path", "incident_id"]
 
 
-def test_health_and_openapi(webhook: Webhook) -> None:
-    assert webhook.get("/healthz").json() == {"status": "ok", "trigger_backlog": []}
-    paths = webhook.get("/openapi.json").json()["paths"]
+def test_health_and_no_docs_unless_asked(webhook: Webhook) -> None:
+    assert webhook.get_unsigned("/healthz").json() == {"status": "ok", "trigger_backlog": []}
+    assert webhook.get_unsigned("/openapi.json").status_code == 404
+    assert webhook.get_unsigned("/docs").status_code == 404
+
+
+def test_openapi_when_asked(ledger: Ledger) -> None:
+    app = create_app(ledger, RecordingTrigger(), "x" * 32, docs=True)
+    with run_in_thread(app) as url:
+        assert httpx.get(url + "/docs", timeout=30).status_code == 200
+        paths = httpx.get(url + "/openapi.json", timeout=30).json()["paths"]
     assert {
         "/v1/alarms",
         "/v1/jobs/{job_id}/ranks",
@@ -177,13 +193,13 @@ def test_unsigned_request_is_401_and_writes_nothing(webhook: Webhook) -> None:
     response = webhook.post_raw("/v1/alarms", json.dumps(alarm_payload()).encode(), {})
 
     assert response.status_code == 401
-    assert response.json() == {"detail": "missing signature headers"}
+    assert response.json()["detail"].startswith("unsigned request")
     assert row_counts(webhook.ledger) == before
 
 
 def test_forged_signature_is_401_and_writes_nothing(webhook: Webhook) -> None:
     body = json.dumps(alarm_payload()).encode()
-    forged = signed_headers("not-the-secret-but-long-enough", body)
+    forged = _sig("not-the-secret-but-long-enough", body)
     before = row_counts(webhook.ledger)
 
     response = webhook.post_raw("/v1/alarms", body, forged)
@@ -196,7 +212,7 @@ def test_forged_signature_is_401_and_writes_nothing(webhook: Webhook) -> None:
 
 def test_body_changed_after_signing_is_401(webhook: Webhook) -> None:
     body = json.dumps(alarm_payload(step=37)).encode()
-    headers = signed_headers(webhook.secret, body)
+    headers = _sig(webhook.secret, body)
     tampered = body.replace(b'"step": 37', b'"step": 38')
     before = row_counts(webhook.ledger)
 
@@ -211,7 +227,7 @@ def test_clock_skew_inside_the_window_is_accepted(webhook: Webhook, skew_s: int)
     body = json.dumps(alarm_payload()).encode()
 
     response = webhook.post_raw(
-        "/v1/alarms", body, signed_headers(webhook.secret, body, now=time.time() + skew_s)
+        "/v1/alarms", body, _sig(webhook.secret, body, now=time.time() + skew_s)
     )
 
     assert response.status_code == 202
@@ -221,7 +237,7 @@ def test_clock_skew_inside_the_window_is_accepted(webhook: Webhook, skew_s: int)
 @pytest.mark.parametrize("skew_s", [-305, 305])
 def test_timestamp_outside_the_window_is_401(webhook: Webhook, skew_s: int) -> None:
     body = json.dumps(alarm_payload()).encode()
-    stale = signed_headers(webhook.secret, body, now=time.time() + skew_s)
+    stale = _sig(webhook.secret, body, now=time.time() + skew_s)
     before = row_counts(webhook.ledger)
 
     response = webhook.post_raw("/v1/alarms", body, stale)
@@ -233,11 +249,8 @@ def test_timestamp_outside_the_window_is_401(webhook: Webhook, skew_s: int) -> N
 
 def test_signature_without_prefix_is_401(webhook: Webhook) -> None:
     body = json.dumps(alarm_payload()).encode()
-    ts = int(time.time())
-    headers = {
-        TIMESTAMP_HEADER: str(ts),
-        SIGNATURE_HEADER: sign(webhook.secret, ts, body).removeprefix("sha256="),
-    }
+    headers = _sig(webhook.secret, body)
+    headers[SIGNATURE_HEADER] = headers[SIGNATURE_HEADER].removeprefix("sha256=")
 
     response = webhook.post_raw("/v1/alarms", body, headers)
 
@@ -270,7 +283,7 @@ def test_oversize_streamed_body_without_length_is_413(webhook: Webhook) -> None:
             yield chunk
         yield b'"}'
 
-    headers = {**signed_headers(webhook.secret, b"{}"), "Content-Type": "application/json"}
+    headers = {**_sig(webhook.secret, b"{}"), "Content-Type": "application/json"}
     try:
         response = httpx.post(
             webhook.url + "/v1/alarms", content=chunks(), headers=headers, timeout=30
@@ -298,7 +311,7 @@ def test_oversize_streamed_body_without_length_is_413(webhook: Webhook) -> None:
 def test_malformed_json_is_400_with_the_reason(webhook: Webhook, body: bytes, reason: str) -> None:
     before = row_counts(webhook.ledger)
 
-    response = webhook.post_raw("/v1/alarms", body, signed_headers(webhook.secret, body))
+    response = webhook.post_raw("/v1/alarms", body, _sig(webhook.secret, body))
 
     assert response.status_code == 400
     assert reason in response.json()["detail"]
@@ -354,7 +367,7 @@ def test_text_the_database_cannot_store_is_422(webhook: Webhook, text: str) -> N
     body = json.dumps(payload).encode()  # ASCII-escaped, so the surrogate survives encoding
     before = row_counts(webhook.ledger)
 
-    response = webhook.post_raw("/v1/alarms", body, signed_headers(webhook.secret, body))
+    response = webhook.post_raw("/v1/alarms", body, _sig(webhook.secret, body))
 
     assert response.status_code == 422
     assert response.json()["detail"][0]["loc"] == ["body", "detail", "note"]
@@ -374,7 +387,7 @@ def test_duplicate_rank_in_registration_is_422(webhook: Webhook) -> None:
 
 def test_non_json_content_type_is_415(webhook: Webhook) -> None:
     body = json.dumps(alarm_payload()).encode()
-    headers = {**signed_headers(webhook.secret, body), "Content-Type": "text/plain"}
+    headers = {**_sig(webhook.secret, body), "Content-Type": "text/plain"}
 
     response = httpx.post(webhook.url + "/v1/alarms", content=body, headers=headers)
 
@@ -387,8 +400,8 @@ def test_non_json_content_type_is_415(webhook: Webhook) -> None:
 def test_secret_never_appears_in_logs(webhook: Webhook, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
     body = json.dumps(alarm_payload()).encode()
-    webhook.post_raw("/v1/alarms", body, signed_headers("wrong-secret-0123456789", body))
-    webhook.post_raw("/v1/alarms", body, signed_headers(webhook.secret, body, now=0))
+    webhook.post_raw("/v1/alarms", body, _sig("wrong-secret-0123456789", body))
+    webhook.post_raw("/v1/alarms", body, _sig(webhook.secret, body, now=0))
     webhook.post("/v1/alarms", alarm_payload())
     webhook.post("/v1/alarms", alarm_payload(step="x"))
     assert dispatcher_of(webhook.app).wait_idle(10)

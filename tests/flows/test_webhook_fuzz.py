@@ -1,9 +1,10 @@
 """Property test from the webhook's own OpenAPI document (schemathesis): no input gets a 5xx.
 
-Every generated request is sent twice to the live server: signed (so it passes the signature
-check and reaches the schema, the ledger and PostgreSQL's text rules) and unsigned (which must
-be refused with 401 before anything is parsed). Responses must also match the documented status
-codes, content types and schemas.
+Every generated request, to every endpoint, is sent three times to the live server: signed over
+its canonical request (so it passes authentication and reaches the schema, the ledger and
+PostgreSQL's text rules), unsigned, and with a forged signature — both of which must be refused
+with 401 before anything is parsed, leaving the ledger unchanged. Responses must also match the
+documented status codes, content types and schemas.
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ class _Signed(requests.auth.AuthBase):
         body = request.body or b""
         raw = body.encode() if isinstance(body, str) else body
         assert isinstance(raw, bytes), f"cannot sign a streamed body: {type(body)}"
-        request.headers.update(signed_headers(self.secret, raw))
+        assert request.method is not None
+        request.headers.update(
+            signed_headers("default", self.secret, request.method, request.path_url, raw)
+        )
         return request
 
 
@@ -83,9 +87,15 @@ def test_no_input_gets_a_server_error(case: schemathesis.Case, webhook: Webhook)
         response = case.call(base_url=webhook.url, session=signed, timeout=30)
     case.validate_response(response, checks=CHECKS)
 
-    if case.method.upper() == "POST" == case.operation.method.upper():
-        before = row_counts(webhook.ledger)
-        unsigned = case.call(base_url=webhook.url, timeout=30)
-        case.validate_response(unsigned, checks=CHECKS)
-        assert unsigned.status_code == 401, unsigned.text
-        assert row_counts(webhook.ledger) == before
+    if case.path == "/healthz" or case.method.upper() != case.operation.method.upper():
+        return  # liveness answers anyone; a wrong method is refused by routing (405)
+    before = row_counts(webhook.ledger)
+    unsigned = case.call(base_url=webhook.url, timeout=30)
+    case.validate_response(unsigned, checks=CHECKS)
+    assert unsigned.status_code in (401, 413), unsigned.text  # size is checked first
+    with requests.Session() as forged:
+        forged.auth = _Signed("not-the-webhook-secret-0123456789")
+        wrong = case.call(base_url=webhook.url, session=forged, timeout=30)
+    case.validate_response(wrong, checks=CHECKS)
+    assert wrong.status_code in (401, 413), wrong.text
+    assert row_counts(webhook.ledger) == before

@@ -69,7 +69,7 @@ def test_serve_migrates_a_fresh_ledger_and_records_alarms(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({}, "SDCGUARD_WEBHOOK_SECRET: Field required"),
+        ({}, "set SDCGUARD_WEBHOOK_SECRET or SDCGUARD_WEBHOOK_CREDENTIALS_FILE"),
         ({"SDCGUARD_WEBHOOK_SECRET": "short-secret"}, "at least 16"),
     ],
 )

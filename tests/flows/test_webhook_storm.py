@@ -70,7 +70,7 @@ def _storm(webhook: Webhook) -> None:
                     "/v1/alarms",
                     content=body,
                     headers={
-                        **signed_headers(webhook.secret, body),
+                        **signed_headers("default", webhook.secret, "POST", "/v1/alarms", body),
                         "Content-Type": "application/json",
                     },
                 )
@@ -179,7 +179,7 @@ def test_alarms_queued_at_shutdown_are_recorded_before_it_ends(
             async def post(payload: dict[str, Any]) -> httpx.Response:
                 body = json.dumps(payload).encode()
                 headers = {
-                    **signed_headers(webhook_secret, body),
+                    **signed_headers("default", webhook_secret, "POST", "/v1/alarms", body),
                     "Content-Type": "application/json",
                 }
                 return await client.post("/v1/alarms", content=body, headers=headers)

@@ -20,6 +20,9 @@ What it serves (``ThreadingHTTPServer`` on 127.0.0.1, a free port):
   conditions; every other list is replaced whole (true of node taints, which have no merge key);
 - a ``metadata.resourceVersion`` in a PATCH/PUT body is a precondition: a stale one is a 409
   ``Conflict`` exactly like the real server's optimistic concurrency;
+- ``POST /apis/authentication.k8s.io/v1/tokenreviews``: a token added with
+  :meth:`FakeKube.add_token` is authenticated as its user, for its audiences (a review asking
+  for another audience is refused, as the real server does); any other token is not;
 - ``POST /api/v1/namespaces/{ns}/pods/{name}/eviction``: a pod under a disruption budget
   (:meth:`FakeKube.block_eviction`) is refused with 429 ``TooManyRequests`` (cause
   ``DisruptionBudget``) as many times as configured; an allowed eviction removes the pod and
@@ -205,6 +208,7 @@ class FakeKube:
         self._routes: list[_Route] = []
         self._eviction_blocks: dict[tuple[str, str], tuple[int | None, str]] = {}
         self._requests: list[RecordedRequest] = []
+        self._tokens: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.register("/api/v1", "nodes", "Node", namespaced=False)
@@ -256,6 +260,39 @@ class FakeKube:
     ) -> None:
         """Serve another resource type (``custom``: a CRD, which refuses strategic merge)."""
         self._resources[(prefix, plural)] = _Resource(prefix, plural, kind, namespaced, custom)
+
+    def add_token(
+        self, token: str, username: str, audiences: Iterable[str] = ("sdcguard",)
+    ) -> None:
+        """Make TokenReview authenticate ``token`` as ``username`` for ``audiences``."""
+        with self._lock:
+            self._tokens[token] = (username, tuple(audiences))
+
+    def _token_review(self, body: Any) -> FakeResponse:
+        spec = body.get("spec") if isinstance(body, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("token"), str):
+            raise _ApiError(422, "TokenReview.authentication.k8s.io is invalid: spec.token")
+        wanted = spec.get("audiences") or []
+        known = self._tokens.get(spec["token"])
+        status: JSON = {"authenticated": False, "error": "invalid bearer token"}
+        if known is not None:
+            username, audiences = known
+            if not wanted or set(wanted) & set(audiences):
+                status = {
+                    "authenticated": True,
+                    "user": {"username": username, "groups": ["system:serviceaccounts"]},
+                    "audiences": [a for a in audiences if not wanted or a in wanted],
+                }
+            else:
+                status = {"authenticated": False, "error": "token audiences are invalid"}
+        answer = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "metadata": {"creationTimestamp": None},
+            "spec": {"token": spec["token"], "audiences": wanted},
+            "status": status,
+        }
+        return FakeResponse(201, answer)
 
     def fail_next(
         self,
@@ -562,6 +599,10 @@ class FakeKube:
             return self.serve(request)
 
     def _dispatch(self, request: RecordedRequest) -> FakeResponse:
+        if request.path == "/apis/authentication.k8s.io/v1/tokenreviews":
+            if request.method != "POST":
+                raise _ApiError(405, f"method {request.method} not allowed on tokenreviews")
+            return self._token_review(request.body)
         match = _PATH.match(request.path)
         resource = None
         if match:
