@@ -19,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from db import IncidentState
 from flows.approval import artifact_key
+from flows.coordination import destructive_slot
 from flows.policy import IncidentPolicy
 from flows.recovery_settings import FlowSettings
 from flows.report import incident_summary, report_markdown
@@ -76,7 +77,8 @@ def incident_response(
     6. Approval: a human in the Prefect UI form (or the policy, on the strongest evidence).
        Reject → ``rejected`` (uncordon if asked); no answer in time → ``expired`` (stays
        cordoned, nothing replaced).
-    7. Replace the faulty node through HyperPod (or reboot it).
+    7. Replace the approved nodes through HyperPod (or reboot them) — from here to the resume,
+       one incident at a time fleet-wide (:mod:`flows.coordination`).
     8. Quarantine the checkpoints of the suspect range once more (late arrivals included).
     9. Resume from the newest verified checkpoint before the range, sha256 checked in storage.
     10. Resolved. The incident report is published as an artifact and returned as a dict.
@@ -102,9 +104,11 @@ def incident_response(
             incident_id, policy, poll_interval_s=FlowSettings().approval_poll_s
         )
         if decision.approved:
-            run(fix_nodes)
-            run(quarantine_suspect_checkpoints)
-            run(resume_training)
+            # The only stages that wait for other incidents: one fleet change at a time.
+            with destructive_slot(incident_id):
+                run(fix_nodes)
+                run(quarantine_suspect_checkpoints)
+                run(resume_training)
             close(
                 incident_id, IncidentState.RESOLVED, "training resumed from a verified checkpoint"
             )

@@ -17,6 +17,7 @@ from typing import Any
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
+from prefect.exceptions import Pause
 from prefect.states import State
 
 from db import (
@@ -38,6 +39,7 @@ __all__ = [
     "StageOutcome",
     "StageTask",
     "advance",
+    "approved_nodes",
     "close",
     "implicated_nodes",
     "log_extra",
@@ -122,9 +124,37 @@ def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome
         )
         log.error("stage %s failed: %s", stage, err, extra=extra)
         raise
+    except BaseException as signal:
+        _release(claim.action.key, signal, extra)
+        raise
     ledger.finish_action(claim.action.key, ActionStatus.SUCCEEDED, {**outcome, "error": None})
     log.info("stage %s done: %s", stage, outcome.get("outcome"), extra=extra)
     return outcome
+
+
+def _release(key: str, signal: BaseException, extra: dict[str, Any]) -> None:
+    """Give up a claim when the engine stops the run (a ``BaseException``, not a failure).
+
+    Prefect suspends a run waiting for approval with its ``Pause`` signal and cancels one with
+    ``CancelledError``; both pass ``except Exception``. Left ``claimed``, the stage would look
+    in flight for ever; released (recorded ``failed`` with the signal's name, so a later run
+    looks before it acts again) it is continued by whichever run comes next. The signal is
+    re-raised by the caller; a ledger error here is logged and the signal still wins.
+    """
+    suspended = isinstance(signal, Pause)
+    what = (
+        "suspended: waiting for approval" if suspended else f"interrupted: {type(signal).__name__}"
+    )
+    try:
+        current_backends().ledger.finish_action(
+            key, ActionStatus.FAILED, {"outcome": what, "interrupted": type(signal).__name__}
+        )
+    except Exception as err:
+        log.error("could not release %s after %s: %s", key, what, err, extra=extra)
+        return
+    log.log(
+        logging.INFO if suspended else logging.WARNING, "%s released (%s)", key, what, extra=extra
+    )
 
 
 def perform(
@@ -158,6 +188,9 @@ def perform(
         result = act(first)
     except Exception as err:
         ledger.finish_action(action.key, ActionStatus.FAILED, {"error": f"{err}"})
+        raise
+    except BaseException as signal:
+        _release(action.key, signal, extra)
         raise
     ledger.finish_action(action.key, ActionStatus.SUCCEEDED, {**result, "error": None})
     log.info("%s %s done", kind, target, extra=extra)
@@ -223,6 +256,17 @@ def nodes_to_fix(incident: IncidentView) -> list[str]:
     if verdict.get("verdict") == Verdict.HARDWARE.value and verdict.get("node"):
         return [str(verdict["node"])]
     return implicated_nodes(incident)
+
+
+def approved_nodes(incident: IncidentView) -> list[str]:
+    """Exactly the nodes the recorded decision approved for the fix — never recomputed.
+
+    A decision recorded before approvals named their nodes falls back to :func:`nodes_to_fix`.
+    """
+    approval = (incident.evidence or {}).get("approval") or {}
+    if "nodes" in approval:
+        return [str(n) for n in approval["nodes"] or []]
+    return nodes_to_fix(incident)
 
 
 def close(incident_id: str, to: IncidentState, reason: str) -> IncidentView:

@@ -18,8 +18,8 @@ from flows.stages._common import (
     Stage,
     StageOutcome,
     advance,
+    approved_nodes,
     implicated_nodes,
-    nodes_to_fix,
     perform,
     stage,
 )
@@ -93,7 +93,8 @@ def fix_nodes(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
     )
     replaced: list[dict[str, Any]] = []
     rebooted: list[dict[str, Any]] = []
-    for node in nodes_to_fix(incident):
+    approved = approved_nodes(incident)
+    for node in approved:
         plan = _replacement_plan(b, incident_id, node)
         if policy.action is NodeAction.REPLACE:
             done = perform(
@@ -128,7 +129,7 @@ def fix_nodes(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
             rebooted.append({"node": node, "instance_id": plan["instance_id"]})
     # Suspects the replay cleared (a hardware verdict named another node) go back to work:
     # the job resumes on them, and a cordoned node cannot take its pods.
-    cleared = [n for n in implicated_nodes(incident) if n not in nodes_to_fix(incident)]
+    cleared = [n for n in implicated_nodes(incident) if n not in approved]
     for node in cleared:
         perform(
             incident_id, Action.UNCORDON, node, functools.partial(uncordon, b, incident_id, node)
