@@ -16,6 +16,7 @@ from db.enums import (
 from db.errors import (
     ActionStateError,
     CheckpointNotFound,
+    ClaimLost,
     IllegalTransition,
     IncidentConflict,
     InvalidRange,
@@ -60,6 +61,7 @@ __all__ = [
     "CheckpointNotFound",
     "CheckpointStatus",
     "CheckpointView",
+    "ClaimLost",
     "IllegalTransition",
     "IncidentConflict",
     "IncidentEventView",

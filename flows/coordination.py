@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import Iterator
 
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
+from prefect.context import FlowRunContext
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["CoordinationSettings", "destructive_slot", "ensure_prefect_objects"]
+__all__ = ["CoordinationSettings", "claim_owner", "destructive_slot", "ensure_prefect_objects"]
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +52,32 @@ class CoordinationSettings(BaseSettings):
     )
     destructive_lease_s: float = Field(
         default=300.0,
-        ge=30.0,
+        ge=60.0,  # the Prefect API's minimum
         le=3600.0,
         description="Lease of a held slot; renewed while held, expires if the holder dies.",
     )
+    claim_lease_s: float = Field(
+        default=3600.0,
+        ge=1.0,
+        le=24 * 3600.0,
+        description=(
+            "Lease of a ledger claim (a stage or a side effect), renewed before every "
+            "destructive call; longer than the longest single call (a HyperPod replacement). "
+            "Another run takes a claim over only after it expired."
+        ),
+    )
+
+
+_PROCESS_OWNER = f"process-{uuid.uuid4()}"
+
+
+def claim_owner() -> str:
+    """Who holds the ledger claims this code makes: the Prefect flow run (stable across a
+    suspend and its re-entry), or, outside any run, one id per process."""
+    context = FlowRunContext.get()
+    if context is not None and context.flow_run is not None:
+        return f"flow-run-{context.flow_run.id}"
+    return _PROCESS_OWNER
 
 
 def ensure_prefect_objects(settings: CoordinationSettings | None = None) -> None:

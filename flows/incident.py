@@ -17,7 +17,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from db import IncidentState
+from db import ClaimLost, IncidentState
 from flows.approval import artifact_key
 from flows.coordination import destructive_slot
 from flows.policy import IncidentPolicy
@@ -64,7 +64,7 @@ class IncidentFailed(RuntimeError):
     validate_parameters=True,
 )
 def incident_response(
-    incident_id: str, policy: IncidentPolicy = IncidentPolicy()
+    incident_id: str, policy: IncidentPolicy = IncidentPolicy(), retry: bool = False
 ) -> dict[str, Any]:
     """Walk one silent-data-corruption incident to a safe end.
 
@@ -82,9 +82,17 @@ def incident_response(
     8. Quarantine the checkpoints of the suspect range once more (late arrivals included).
     9. Resume from the newest verified checkpoint before the range, sha256 checked in storage.
     10. Resolved. The incident report is published as an artifact and returned as a dict.
+
+    ``retry``: a ``failed`` or ``expired`` incident is reopened first and continued (the
+    Prefect UI's way to move one forward; ``sdcguard incident retry`` does the same).
     """
     ledger = current_backends().ledger
-    if ledger.get_incident(incident_id).state.terminal:
+    current = ledger.get_incident(incident_id)
+    if retry and current.state in (IncidentState.FAILED, IncidentState.EXPIRED):
+        ledger.retry_incident(
+            incident_id, by=_run_name(), reason="retry requested on the incident flow run"
+        )
+    elif current.state.terminal:
         log.info("incident already closed; reporting only", extra={"incident": incident_id})
         return publish_report(incident_id)
 
@@ -133,6 +141,11 @@ def incident_response(
                 f"no decision within {policy.approval_timeout_s} s: nodes stay cordoned, "
                 "nothing replaced, training stays stopped",
             )
+    except ClaimLost as err:
+        # another run took this incident's claim over (ours had expired): it owns the incident
+        # now, so this run records nothing and stops — no destructive call was made after.
+        log.warning("claim lost, this run stops: %s", err, extra={"incident": incident_id})
+        raise
     except Exception as err:
         reason = f"{type(err).__name__}: {err}"
         log.error("incident failed: %s", reason, extra={"incident": incident_id})
@@ -140,6 +153,12 @@ def incident_response(
             ledger.transition(incident_id, IncidentState.FAILED, reason=reason)
         raise IncidentFailed(incident_id, reason, publish_report(incident_id)) from err
     return publish_report(incident_id)
+
+
+def _run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return f"prefect flow run {flow_run.name or flow_run.id or 'unknown'}"
 
 
 def publish_report(incident_id: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from enum import StrEnum
 from typing import Any
 
@@ -22,12 +23,14 @@ from prefect.states import State
 
 from db import (
     ActionStatus,
+    ClaimLost,
     IncidentState,
     IncidentView,
     LedgerTemporaryError,
     Verdict,
     can_transition,
 )
+from flows.coordination import CoordinationSettings, claim_owner
 from flows.policy import IncidentPolicy
 from flows.report import STAGE_KIND
 from flows.wiring import Backends, current_backends
@@ -55,6 +58,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 StageOutcome = dict[str, Any]
+
+current_stage_key: ContextVar[str | None] = ContextVar("sdcguard_stage_key", default=None)
+"""The ledger key of the stage this code runs in (set by :func:`record_stage`)."""
 StageTask = Task[[str, IncidentPolicy], StageOutcome]
 
 
@@ -104,35 +110,56 @@ def log_extra(incident_id: str, stage: Stage | str, **more: Any) -> dict[str, An
 
 
 def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome]) -> StageOutcome:
-    """Run ``body`` as the ledger action ``<incident>:stage:<stage>``; skip it once succeeded."""
+    """Run ``body`` as the ledger action ``<incident>:stage:<stage>``; skip it once succeeded.
+
+    The claim is this flow run's, leased (:func:`flows.coordination.claim_owner`): a stage
+    another live run holds raises :class:`db.ClaimLost` here, before anything is done.
+    """
     ledger = current_backends().ledger
-    claim = ledger.claim_action(incident_id, STAGE_KIND, stage.value)
+    owner = claim_owner()
+    claim = ledger.claim_action(
+        incident_id, STAGE_KIND, stage.value, owner=owner, lease_s=_lease_s()
+    )
     extra = log_extra(incident_id, stage)
     if not claim.won and claim.action.status is ActionStatus.SUCCEEDED:
         log.info("stage %s already done; not repeated", stage, extra=extra)
         return dict(claim.action.detail or {})
     if not claim.won:
-        log.warning("stage %s was interrupted in an earlier run; continuing", stage, extra=extra)
+        raise ClaimLost(claim.action.key, owner, claim.action.owner)
+    if claim.action.attempts > 1:
+        log.warning("stage %s: an earlier attempt did not finish; continuing", stage, extra=extra)
     log.info("stage %s started", stage, extra=extra)
+    token = current_stage_key.set(claim.action.key)
     try:
         outcome = body()
+    except ClaimLost:
+        raise  # not ours any more: nothing to record
     except Exception as err:
         ledger.finish_action(
             claim.action.key,
             ActionStatus.FAILED,
             {"outcome": f"failed: {err}", "error": f"{type(err).__name__}: {err}"},
+            owner=owner,
         )
         log.error("stage %s failed: %s", stage, err, extra=extra)
         raise
     except BaseException as signal:
-        _release(claim.action.key, signal, extra)
+        _release(claim.action.key, owner, signal, extra)
         raise
-    ledger.finish_action(claim.action.key, ActionStatus.SUCCEEDED, {**outcome, "error": None})
+    finally:
+        current_stage_key.reset(token)
+    ledger.finish_action(
+        claim.action.key, ActionStatus.SUCCEEDED, {**outcome, "error": None}, owner=owner
+    )
     log.info("stage %s done: %s", stage, outcome.get("outcome"), extra=extra)
     return outcome
 
 
-def _release(key: str, signal: BaseException, extra: dict[str, Any]) -> None:
+def _lease_s() -> float:
+    return CoordinationSettings().claim_lease_s
+
+
+def _release(key: str, owner: str, signal: BaseException, extra: dict[str, Any]) -> None:
     """Give up a claim when the engine stops the run (a ``BaseException``, not a failure).
 
     Prefect suspends a run waiting for approval with its ``Pause`` signal and cancels one with
@@ -147,7 +174,10 @@ def _release(key: str, signal: BaseException, extra: dict[str, Any]) -> None:
     )
     try:
         current_backends().ledger.finish_action(
-            key, ActionStatus.FAILED, {"outcome": what, "interrupted": type(signal).__name__}
+            key,
+            ActionStatus.FAILED,
+            {"outcome": what, "interrupted": type(signal).__name__},
+            owner=owner,
         )
     except Exception as err:
         log.error("could not release %s after %s: %s", key, what, err, extra=extra)
@@ -172,27 +202,40 @@ def perform(
     stored with the claim — *before* the call — so a later run knows what was about to happen.
     """
     ledger = current_backends().ledger
-    claim = ledger.claim_action(incident_id, kind.value, target, detail)
+    owner = claim_owner()
+    lease_s = _lease_s()
+    claim = ledger.claim_action(
+        incident_id, kind.value, target, detail, owner=owner, lease_s=lease_s
+    )
     action = claim.action
     on_job = kind in (Action.STOP_JOB, Action.RESUME)
     extra = log_extra(incident_id, kind.value, **{"job" if on_job else "node": target})
     if not claim.won and action.status is ActionStatus.SUCCEEDED:
         log.info("%s %s already done; not repeated", kind, target, extra=extra)
         return dict(action.detail or {})
-    first = claim.won and action.attempts == 1
+    if not claim.won:
+        raise ClaimLost(action.key, owner, action.owner)
+    # the stage this effect belongs to must still be ours: a run whose stage was taken over
+    # (its lease expired while it hung) performs nothing more
+    stage_key = current_stage_key.get()
+    if stage_key is not None:
+        ledger.hold_claim(stage_key, owner, lease_s)
+    first = action.attempts == 1
     if not first:
         log.warning(
             "%s %s: an earlier attempt may have acted; checking first", kind, target, extra=extra
         )
     try:
         result = act(first)
+    except ClaimLost:
+        raise
     except Exception as err:
-        ledger.finish_action(action.key, ActionStatus.FAILED, {"error": f"{err}"})
+        ledger.finish_action(action.key, ActionStatus.FAILED, {"error": f"{err}"}, owner=owner)
         raise
     except BaseException as signal:
-        _release(action.key, signal, extra)
+        _release(action.key, owner, signal, extra)
         raise
-    ledger.finish_action(action.key, ActionStatus.SUCCEEDED, {**result, "error": None})
+    ledger.finish_action(action.key, ActionStatus.SUCCEEDED, {**result, "error": None}, owner=owner)
     log.info("%s %s done", kind, target, extra=extra)
     return {**(action.detail or {}), **result}
 

@@ -31,14 +31,14 @@ LEDGER_TABLES = {table.name for table in Base.metadata.sorted_tables}
 def test_upgrade_from_empty_to_head_and_back_to_base(empty_database_url: str) -> None:
     url = empty_database_url
     upgrade(url)
-    assert current_revision(url) == head_revision() == "0001"
+    assert current_revision(url) == head_revision() == "0002"
     assert _tables(url) == LEDGER_TABLES | {"alembic_version"}
     upgrade(url)  # at head already: a no-op
     downgrade(url)
     assert current_revision(url) is None
     assert _tables(url) == {"alembic_version"}
     upgrade(url)  # and up again: downgrade left nothing behind that gets in the way
-    assert current_revision(url) == "0001"
+    assert current_revision(url) == "0002"
 
 
 def test_models_and_migrations_agree(empty_database_url: str) -> None:

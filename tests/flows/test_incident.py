@@ -31,6 +31,7 @@ from db import (
     ActionStatus,
     AlarmIn,
     CheckpointStatus,
+    IllegalTransition,
     IncidentState,
     Ledger,
     RankIn,
@@ -39,6 +40,8 @@ from flows.approval import ApprovalDecision, artifact_key, submit_decision
 from flows.incident import IncidentFailed, incident_response, respond
 from flows.policy import IncidentPolicy, NodeAction
 from flows.report import STAGE_KIND, incident_summary
+from flows.retry import retry_incident
+from flows.trigger import RecordingTrigger
 from flows.wiring import Backends, LocalJobCatalog, LocalNodeDirectory, use_backends
 from recovery import moto_hyperpod
 from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
@@ -597,7 +600,9 @@ def test_a_temporary_error_is_retried_and_recovers(site: Site) -> None:
     assert replace.status is ActionStatus.SUCCEEDED
 
 
-def test_an_action_failing_after_its_retries_fails_the_incident(site: Site) -> None:
+def test_an_action_failing_after_its_retries_fails_the_incident_and_a_retry_resolves_it(
+    site: Site,
+) -> None:
     moto_hyperpod.inject_throttling("BatchReplaceClusterNodes", FAST.task_retries + 1)
     with pytest.raises(IncidentFailed) as failed:
         site.run(AUTO)
@@ -612,6 +617,24 @@ def test_an_action_failing_after_its_retries_fails_the_incident(site: Site) -> N
     assert replace.attempts == FAST.task_retries + 1
     assert site.cluster.node(FAULTY).unschedulable  # nothing was undone or replaced
     assert ("resume", JOB) not in site.effects.done
+
+    # the operator retries once the throttling is over: the ledger reopens it where it failed
+    trigger = RecordingTrigger()
+    reopened = retry_incident(site.ledger, trigger, site.incident_id, by="oncall", reason="blip")
+    assert reopened.state is IncidentState.REPLACING
+    assert trigger.calls == [(site.incident_id, JOB)]
+    assert site.run(AUTO)["state"] == "resolved"
+    incident = site.incident()
+    assert incident.state is IncidentState.RESOLVED
+    retried = [e for e in incident.history if (e.detail or {}).get("retry")]
+    assert [(e.from_state, e.to_state, e.detail) for e in retried] == [
+        (IncidentState.FAILED, IncidentState.REPLACING, {"retry": 1, "by": "oncall"})
+    ]
+    assert [v for v, _ in site.effects.done].count("replace") == 1
+    assert ("resume", JOB) in site.effects.done
+    # resolved is final: a second retry is refused
+    with pytest.raises(IllegalTransition):
+        retry_incident(site.ledger, trigger, site.incident_id, by="oncall", reason="again")
 
 
 def test_a_corrupt_newest_checkpoint_is_marked_and_the_next_older_one_is_used(site: Site) -> None:
