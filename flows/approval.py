@@ -129,6 +129,15 @@ def evidence_markdown(evidence: Evidence) -> str:
     lines = [
         f"# Incident {evidence.incident_id} — approval needed",
         "",
+    ]
+    if not evidence.suspect_nodes:
+        lines += [
+            "**Culprit unknown**: no alarm names a suspect node (replicas that disagree cannot "
+            "say which one is wrong). Nothing was cordoned. Approving replaces nothing and "
+            "resumes training; reject to keep it stopped while you investigate.",
+            "",
+        ]
+    lines += [
         f"**Job** `{evidence.job_id}` · **suspect nodes** "
         + (", ".join(f"`{n}`" for n in evidence.suspect_nodes) or "none named")
         + f" · **suspect steps** {start}..{end} · **alarms** {evidence.alarm_count}",

@@ -44,6 +44,7 @@ __all__ = [
     "advance",
     "approved_nodes",
     "close",
+    "culprit_unknown",
     "implicated_nodes",
     "log_extra",
     "nodes_to_fix",
@@ -282,11 +283,24 @@ def with_evidence(incident: IncidentView, **items: Any) -> dict[str, Any]:
 
 
 def implicated_nodes(incident: IncidentView) -> list[str]:
-    """Every node the incident or its alarms name."""
-    names = set(incident.suspect_nodes)
+    """Every node the incident's alarms name as a suspect — never the reporting rank's node.
+
+    An alarm that names no suspect (two replicas that differ cannot say which one is wrong)
+    implicates nobody: the ledger records the reporter's node on the incident for context,
+    but the reporter is by construction a non-suspect, and cordoning it would take a healthy
+    node out. Only an incident opened by hand (no alarms) is taken at its word.
+    """
+    if not incident.alarms:
+        return sorted(set(incident.suspect_nodes))
+    names: set[str] = set()
     for alarm in incident.alarms:
         names.update(alarm.suspect_nodes)
     return sorted(names)
+
+
+def culprit_unknown(incident: IncidentView) -> bool:
+    """No alarm names a suspect: nothing is cordoned automatically; a human decides."""
+    return not implicated_nodes(incident)
 
 
 def verdict_of(incident: IncidentView) -> dict[str, Any]:

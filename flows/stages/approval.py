@@ -115,7 +115,7 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
             alarms=_alarm_evidence(incident),
             storm=storm,
         )
-        if auto.approved:
+        if auto.approved and requested:  # culprit unknown: never approved without a human
             return _decide(
                 b,
                 incident_id,

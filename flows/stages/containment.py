@@ -111,6 +111,18 @@ def cordon_suspects(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
     b = current_backends()
     incident = b.ledger.get_incident(incident_id)
     nodes = implicated_nodes(incident)
+    if not nodes:
+        reason = (
+            "culprit unknown: no alarm names a suspect node, so nothing is cordoned; "
+            "a human decides from the evidence"
+        )
+        log.warning("%s", reason, extra=log_extra(incident_id, Stage.CORDON))
+        b.ledger.transition(
+            incident_id,
+            incident.state,
+            evidence=with_evidence(incident, culprit_unknown=True),
+        )
+        return {"outcome": reason, "cordoned": [], "culprit_unknown": True}
     if incident.storm and not policy.cordon_in_storm:
         return {
             "outcome": f"not cordoned during an alarm storm: {', '.join(nodes)} stay schedulable",

@@ -277,7 +277,7 @@ def build_site(
         checkpoints[step] = path
         if step < 39:
             ledger.record_audit(JOB, step + 1, "loss", [0, 1, 2, 3], True)
-    outcome = ledger.record_alarm(_alarm(ALARM_STEP, suspects or [FAULTY]))
+    outcome = ledger.record_alarm(_alarm(ALARM_STEP, [FAULTY] if suspects is None else suspects))
     replay = replay if replay is not None else ScriptedReplay({FAULTY: 33})
     backends = Backends(
         ledger=ledger,
@@ -541,6 +541,26 @@ def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(
         assert [v for v, _ in site.effects.done] == ["stop"]
         assert not any(site.cluster.node(n).unschedulable for n in NODES)
         assert incident.verdict is not None  # the replay still ran: evidence for the human
+    finally:
+        site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
+
+
+def test_a_culprit_unknown_alarm_cordons_nothing_and_asks_a_human(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
+) -> None:
+    """Two replicas differ and neither is named: the reporter (node-0) is no suspect either."""
+    site = build_site(tmp_path, sqlite_ledger, local_aws, suspects=[])
+    try:
+        site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+        incident = site.incident()
+        assert (incident.evidence or {}).get("culprit_unknown") is True
+        assert not any(site.cluster.node(n).unschedulable for n in NODES + SPARES)
+        assert [v for v, _ in site.effects.done] == ["stop"]  # stopped, nothing cordoned
+        assert incident.state is IncidentState.EXPIRED  # auto-approve refused; a human asked
+        assert incident.approver is None
+        assert (incident.evidence or {})["approval_request"]["nodes"] == []
+        cordon = next(a for a in incident.actions if a.target == "cordon")
+        assert "culprit unknown" in str((cordon.detail or {}).get("outcome"))
     finally:
         site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
 
