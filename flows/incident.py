@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from db import ClaimLost, IncidentState
 from flows.approval import artifact_key
 from flows.coordination import destructive_slot
+from flows.notify import NeedsHuman, needs_human
 from flows.policy import IncidentPolicy
 from flows.recovery_settings import FlowSettings
 from flows.report import incident_summary, report_markdown
@@ -135,11 +136,17 @@ def incident_response(
                 + ", nothing replaced, training stays stopped",
             )
         else:
-            close(
+            expired = close(
                 incident_id,
                 IncidentState.EXPIRED,
                 f"no decision within {policy.approval_timeout_s} s: nodes stay cordoned, "
                 "nothing replaced, training stays stopped",
+            )
+            needs_human(
+                incident_id,
+                expired.job_id,
+                NeedsHuman.EXPIRED,
+                f"{expired.reason}; `sdcguard incident retry {incident_id}` asks again",
             )
     except ClaimLost as err:
         # another run took this incident's claim over (ours had expired): it owns the incident
@@ -150,7 +157,13 @@ def incident_response(
         reason = f"{type(err).__name__}: {err}"
         log.error("incident failed: %s", reason, extra={"incident": incident_id})
         if not ledger.get_incident(incident_id).state.terminal:
-            ledger.transition(incident_id, IncidentState.FAILED, reason=reason)
+            failed = ledger.transition(incident_id, IncidentState.FAILED, reason=reason)
+            needs_human(
+                incident_id,
+                failed.job_id,
+                NeedsHuman.FAILED,
+                f"{reason}; fix the cause, then `sdcguard incident retry {incident_id}`",
+            )
         raise IncidentFailed(incident_id, reason, publish_report(incident_id)) from err
     return publish_report(incident_id)
 

@@ -387,7 +387,10 @@ class TriggerDispatcher:
                     self._in_flight = None
                     self._cond.notify_all()
             else:
-                logger.info("incident flow started", extra=extra)
+                # say what the trigger did, not what it might have done: NoTrigger starts nothing
+                logger.debug(
+                    "trigger %s handled the incident", type(self.trigger).__name__, extra=extra
+                )
                 with self._cond:
                     del self._queued[pending.incident_id]
                     self._in_flight = None

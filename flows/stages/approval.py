@@ -16,7 +16,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from db import IncidentState, IncidentView
-from flows.approval import ApprovalChoice, Evidence, ask_for_approval
+from flows.approval import ApprovalChoice, Evidence, ask_for_approval, flow_run_name
+from flows.notify import NeedsHuman, needs_human
 from flows.policy import AlarmEvidence, IncidentPolicy, StormCheck, auto_approval
 from flows.stages._common import (
     Stage,
@@ -104,7 +105,7 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
         incident = advance(
             b, incident_id, IncidentState.AWAITING_APPROVAL, reason="waiting for a decision"
         )
-        request = _request(b, incident, policy)
+        request, fresh = _request(b, incident, policy)
         requested = list(request["nodes"])
         verdict = verdict_of(incident)
         storm = _storm_of(incident)
@@ -138,6 +139,8 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
             nodes_to_fix=requested,
             action=policy.action.value,
         )
+        if fresh:  # paged once per request, not again when a suspended run is re-entered
+            _page(incident, requested)
         answer = ask_for_approval(
             evidence,
             policy,
@@ -173,11 +176,31 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
     )
 
 
-def _request(b: Backends, incident: IncidentView, policy: IncidentPolicy) -> dict[str, Any]:
-    """The question put to the approver, recorded once: the nodes and the deadline."""
+def _page(incident: IncidentView, requested: list[str]) -> None:
+    if requested:
+        why, message = (
+            NeedsHuman.APPROVAL,
+            f"approve or reject {', '.join(requested)} for job {incident.job_id} in the "
+            f"Prefect UI (flow run {flow_run_name(incident.id)})",
+        )
+    else:
+        why, message = (
+            NeedsHuman.CULPRIT_UNKNOWN,
+            f"culprit unknown: no alarm of job {incident.job_id} names a suspect node; nothing "
+            f"was cordoned; decide in the Prefect UI (flow run {flow_run_name(incident.id)})",
+        )
+    needs_human(incident.id, incident.job_id, why, message)
+
+
+def _request(
+    b: Backends, incident: IncidentView, policy: IncidentPolicy
+) -> tuple[dict[str, Any], bool]:
+    """The question put to the approver, recorded once: the nodes and the deadline.
+
+    Returns it, and whether it was recorded just now."""
     recorded = (incident.evidence or {}).get("approval_request")
     if recorded:
-        return dict(recorded)
+        return dict(recorded), False
     deadline = datetime.now(UTC) + timedelta(seconds=policy.approval_timeout_s)
     request = {"nodes": nodes_to_fix(incident), "deadline": deadline.isoformat()}
     b.ledger.transition(
@@ -185,7 +208,7 @@ def _request(b: Backends, incident: IncidentView, policy: IncidentPolicy) -> dic
         incident.state,
         evidence=with_evidence(incident, approval_request=request),
     )
-    return request
+    return request, True
 
 
 def _bind(
