@@ -545,6 +545,33 @@ def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(
         site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
 
 
+def test_approving_one_of_two_suspects_replaces_exactly_that_one(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
+) -> None:
+    """The replay names nobody, so both suspects are put to the approver; only one is approved."""
+    site = build_site(
+        tmp_path, sqlite_ledger, local_aws, suspects=["node-1", FAULTY], replay=ScriptedReplay({})
+    )
+    replaces_before = moto_hyperpod.call_count("BatchReplaceClusterNodes")
+    answer = {**APPROVE, "nodes": [FAULTY]}
+    try:
+        with Approver(site.incident_id, answer) as approver:
+            summary = site.respond(FAST.model_copy(update={"storm_node_share": 1.0}))
+        assert approver.error is None
+        incident = site.incident()
+        assert summary["state"] == "resolved", incident.reason
+        assert (incident.evidence or {})["approval_request"]["nodes"] == ["node-1", FAULTY]
+        assert (incident.evidence or {})["approval"]["nodes"] == [FAULTY]
+        states = {r.name: r.state for r in site.cluster.records()}
+        assert states[FAULTY] is NodeState.GONE
+        assert states["node-1"] is not NodeState.GONE
+        assert not site.cluster.node("node-1").unschedulable  # not approved: back to work
+        assert moto_hyperpod.call_count("BatchReplaceClusterNodes") - replaces_before == 1
+        assert [t for v, t in site.effects.done if v == "replace"] == [site.instance_ids[FAULTY]]
+    finally:
+        site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
+
+
 def test_a_culprit_unknown_alarm_cordons_nothing_and_asks_a_human(
     tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
 ) -> None:
@@ -838,7 +865,9 @@ def test_a_crash_inside_a_read_only_stage_is_continued_by_a_rerun(
         site.run(AUTO)
     stage = "telemetry" if backend == "telemetry" else "replay"
     stuck = next(a for a in site.incident().actions if a.key.endswith(f":stage:{stage}"))
-    assert stuck.status is ActionStatus.CLAIMED
+    # the signal passed every `except Exception`, and the stage was released on its way out
+    assert stuck.status is ActionStatus.FAILED
+    assert (stuck.detail or {}).get("interrupted") == "Crash"
 
     summary = site.run(AUTO)
     assert summary["state"] == "resolved"
