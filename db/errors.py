@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ActionStateError",
     "CheckpointNotFound",
+    "ClaimLost",
     "IllegalTransition",
     "IncidentConflict",
     "InvalidRange",
@@ -136,6 +137,20 @@ class IllegalTransition(LedgerError):
         self.incident_id = incident_id
         self.current = current
         self.to = to
+
+
+class ClaimLost(LedgerError):
+    """The caller's claim on an action is no longer its own: another run took it over.
+
+    Raised before a destructive call (:meth:`db.Ledger.hold_claim`) and on a finish by a run
+    that lost the claim; the loser must stop acting and must not mark the incident.
+    """
+
+    def __init__(self, key: str, owner: str, holder: str | None) -> None:
+        super().__init__(f"action {key!r} is held by {holder or 'nobody'}, not {owner}")
+        self.key = key
+        self.owner = owner
+        self.holder = holder
 
 
 class ActionStateError(LedgerError):

@@ -292,6 +292,10 @@ class ActionRow(Base):
     started_at: Mapped[datetime] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     detail: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    owner: Mapped[str | None] = mapped_column(String(255))
+    """The flow run holding the claim (revision 0002); None before it."""
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    """Until when the owner holds it; another run may take it over only after."""
 
 
 class ActionEventRow(Base):

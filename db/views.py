@@ -161,6 +161,8 @@ class ActionView(_View):
     started_at: datetime
     finished_at: datetime | None
     detail: dict[str, Any] | None
+    owner: str | None = None
+    lease_expires_at: datetime | None = None
 
 
 @dataclasses.dataclass(frozen=True)

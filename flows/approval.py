@@ -1,14 +1,23 @@
 """Approval in the Prefect UI: the form an approver fills in, and the evidence shown beside it.
 
-The flow pauses with ``wait_for_input=ApprovalDecision``; Prefect renders the model as a form
-on the paused run ("Resume" in the UI) and hands the filled-in model back to the flow. The
+The flow waits with ``wait_for_input=ApprovalDecision``; Prefect renders the model as a form
+on the paused run ("Resume" in the UI) and hands the filled-in model back to the flow.
+
+How it waits depends on where it runs. A run of a deployment *suspends*
+(:func:`prefect.flow_runs.suspend_flow_run`): the process exits, the worker's infrastructure is
+released, and nothing is held across the wait — no process, no concurrency lease — so the wait
+survives a worker restart and a Prefect server restart. Answering the form reschedules the run;
+the worker starts it again, the flow is re-entered from the top (the ledger skips every stage
+already done), and the second call with the same pause key returns the answer. A run without a
+deployment (the demo, tests in one process) cannot suspend; it pauses in-process instead. The
 evidence an approver needs — verdict, replay mismatches, telemetry, suspect nodes, steps to roll
 back — is both the form's description and a markdown artifact on the run, so it stays readable
 after the decision.
 
 Invariants: the form has no default decision (an approver must choose), names the approver and
-a reason (both land in the ledger), and a pause that times out returns ``None`` — the caller
-turns that into ``expired``, never into an approval.
+a reason (both land in the ledger), and a wait past its deadline returns ``None`` — the caller
+turns that into ``expired``, never into an approval. The deadline is fixed once, by the
+caller, and kept in the ledger: a re-entered or retried run never restarts the clock.
 """
 
 from __future__ import annotations
@@ -18,14 +27,16 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+from prefect.context import FlowRunContext
 from prefect.exceptions import FlowPauseTimeout, NotPausedError
-from prefect.flow_runs import pause_flow_run, resume_flow_run
+from prefect.flow_runs import pause_flow_run, resume_flow_run, suspend_flow_run
 from prefect.input import RunInput
 from pydantic import Field
 
@@ -78,6 +89,13 @@ class ApprovalDecision(RunInput):
         default=False,
         description="On reject, uncordon the suspect nodes (only what this incident cordoned).",
     )
+    nodes: list[str] = Field(
+        default_factory=list,
+        description=(
+            "On approve, the nodes to replace: the form starts with every node the evidence "
+            "names; remove those you do not approve. Empty approves all of them."
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -111,6 +129,15 @@ def evidence_markdown(evidence: Evidence) -> str:
     lines = [
         f"# Incident {evidence.incident_id} — approval needed",
         "",
+    ]
+    if not evidence.suspect_nodes:
+        lines += [
+            "**Culprit unknown**: no alarm names a suspect node (replicas that disagree cannot "
+            "say which one is wrong). Nothing was cordoned. Approving replaces nothing and "
+            "resumes training; reject to keep it stopped while you investigate.",
+            "",
+        ]
+    lines += [
         f"**Job** `{evidence.job_id}` · **suspect nodes** "
         + (", ".join(f"`{n}`" for n in evidence.suspect_nodes) or "none named")
         + f" · **suspect steps** {start}..{end} · **alarms** {evidence.alarm_count}",
@@ -192,14 +219,21 @@ def _telemetry_summary(snapshot: Any) -> str:
 
 
 def ask_for_approval(
-    evidence: Evidence, policy: IncidentPolicy, *, poll_interval_s: int
+    evidence: Evidence, policy: IncidentPolicy, *, poll_interval_s: int, deadline: datetime
 ) -> ApprovalDecision | None:
-    """Publish the evidence, pause the flow run for the form, and return the decision.
+    """Publish the evidence, wait for the form until ``deadline``, and return the decision.
 
-    Returns ``None`` when nobody answered within ``policy.approval_timeout_s``. Prefect fails
-    the pause with :class:`FlowPauseTimeout` then; the flow run itself must go on to record
-    ``expired`` in the ledger, so the exception is turned into a value here.
+    Returns ``None`` when nobody answered in time. A run of a deployment suspends (raising
+    Prefect's ``Pause`` signal, a ``BaseException``, out of this call: the process ends and the
+    run is re-entered once answered); any other run pauses in-process, and Prefect's
+    :class:`FlowPauseTimeout` is turned into ``None`` here, since the flow itself must go on to
+    record ``expired`` in the ledger.
     """
+    extra = {"incident": evidence.incident_id, "job": evidence.job_id, "stage": "approval"}
+    left_s = int((deadline - datetime.now(UTC)).total_seconds())
+    if left_s < 1:
+        log.warning("no decision before the deadline %s", deadline.isoformat(), extra=extra)
+        return None
     markdown = evidence_markdown(evidence)
     create_markdown_artifact(
         markdown=markdown,
@@ -207,22 +241,33 @@ def ask_for_approval(
         description=f"Evidence for approving incident {evidence.incident_id}",
     )
     form = ApprovalDecision.with_initial_data(
-        description=markdown, uncordon_on_reject=policy.uncordon_on_reject
+        description=markdown,
+        uncordon_on_reject=policy.uncordon_on_reject,
+        nodes=list(evidence.nodes_to_fix),
     )
-    extra = {"incident": evidence.incident_id, "job": evidence.job_id, "stage": "approval"}
-    log.info("waiting up to %d s for approval", policy.approval_timeout_s, extra=extra)
-    try:
-        decision = pause_flow_run(
-            wait_for_input=form,
-            timeout=policy.approval_timeout_s,
-            poll_interval=max(1, min(poll_interval_s, policy.approval_timeout_s)),
-            key=APPROVAL_PAUSE_KEY,
-        )
-    except FlowPauseTimeout:
-        log.warning("no decision within %d s", policy.approval_timeout_s, extra=extra)
-        return None
+    if _in_deployment():
+        log.info("suspending for approval until %s", deadline.isoformat(), extra=extra)
+        decision = suspend_flow_run(wait_for_input=form, timeout=left_s, key=APPROVAL_PAUSE_KEY)
+    else:
+        log.info("waiting up to %d s for approval", left_s, extra=extra)
+        try:
+            decision = pause_flow_run(
+                wait_for_input=form,
+                timeout=left_s,
+                poll_interval=max(1, min(poll_interval_s, left_s)),
+                key=APPROVAL_PAUSE_KEY,
+            )
+        except FlowPauseTimeout:
+            log.warning("no decision within %d s", left_s, extra=extra)
+            return None
     log.info("decision %s by %s", decision.decision.value, decision.approver, extra=extra)
     return decision
+
+
+def _in_deployment() -> bool:
+    """Whether this flow run belongs to a deployment (only those can suspend)."""
+    context = FlowRunContext.get()
+    return bool(context and context.flow_run and context.flow_run.deployment_id)
 
 
 def flow_run_name(incident_id: str) -> str:

@@ -108,9 +108,12 @@ def _database_url(database_url: str | None) -> str:
 def incidents(
     job: Annotated[str | None, typer.Option(help="Only this job's incidents.")] = None,
     state: Annotated[str | None, typer.Option(help="Only incidents in this state.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON, one object.")] = False,
     database_url: Annotated[str | None, typer.Option(help=_DATABASE_URL_HELP)] = None,
 ) -> None:
     """List incidents from the ledger, newest first."""
+    import json
+
     from rich.console import Console
 
     from db import IncidentState, Ledger
@@ -124,29 +127,124 @@ def incidents(
             f"{state!r} is not one of {choices}", param_hint="--state"
         ) from err
     with Ledger.from_url(_database_url(database_url)) as ledger:
-        Console().print(incidents_table(ledger.list_incidents(job, wanted)))
+        found = ledger.list_incidents(job, wanted)
+    if as_json:
+        typer.echo(json.dumps({"incidents": [i.to_dict() for i in found]}, default=str))
+        return
+    Console().print(incidents_table(found))
 
 
-@app.command()
+@app.command(no_args_is_help=True)
 def incident(
-    incident_id: Annotated[str, typer.Argument(help="The incident's id.")],
+    incident_id: Annotated[
+        str, typer.Argument(help="The incident's id, or `retry` followed by the id.")
+    ],
+    retry_id: Annotated[
+        str | None, typer.Argument(help="With `retry`: the failed or expired incident.")
+    ] = None,
+    by: Annotated[
+        str | None, typer.Option(help="With retry: who retries [default: $USER].")
+    ] = None,
+    reason: Annotated[
+        str, typer.Option(help="With retry: why (kept in the history).")
+    ] = "retried by an operator",
+    run: Annotated[
+        str,
+        typer.Option(
+            help=(
+                "With retry: `prefect` starts a run of --deployment; `local` runs it here; "
+                "`none` only reopens it (start it from the Prefect UI)."
+            )
+        ),
+    ] = "prefect",
+    deployment: Annotated[
+        str, typer.Option(help="With retry and --run prefect: the deployment.")
+    ] = "incident-response/incident",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON, one object.")] = False,
     database_url: Annotated[str | None, typer.Option(help=_DATABASE_URL_HELP)] = None,
 ) -> None:
-    """Show one incident: state, evidence, decision, stages, actions and alarms."""
+    """Show one incident (state, evidence, decision, stages, actions, alarms), or retry one.
+
+    `sdcguard incident retry ID` reopens a failed or expired incident and starts a new flow
+    run that continues it from the ledger (docs/runbook.md).
+    """
+    import json
+
     from rich.console import Console
 
-    from db import Ledger, UnknownIncident
+    from db import Ledger, LedgerError, UnknownIncident
     from flows.report import incident_renderables
 
-    with Ledger.from_url(_database_url(database_url)) as ledger:
+    url = _database_url(database_url)
+    if incident_id == "retry":
+        if not retry_id:
+            raise typer.BadParameter("retry needs the incident's id", param_hint="ID")
+        _retry(url, retry_id, by, reason, run, deployment, as_json)
+        return
+    with Ledger.from_url(url) as ledger:
         try:
             view = ledger.get_incident(incident_id)
-        except UnknownIncident as err:
+        except (UnknownIncident, LedgerError) as err:
             typer.echo(f"sdcguard incident: {err}", err=True)
             raise typer.Exit(1) from err
+    if as_json:
+        typer.echo(json.dumps(view.to_dict(), default=str))
+        return
     console = Console()
     for renderable in incident_renderables(view):
         console.print(renderable)
+
+
+def _retry(
+    url: str,
+    incident_id: str,
+    by: str | None,
+    reason: str,
+    run: str,
+    deployment: str,
+    as_json: bool,
+) -> None:
+    import getpass
+    import json
+
+    from db import Ledger, LedgerError
+    from flows.retry import retry_incident
+    from flows.trigger import IncidentTrigger, NoTrigger, PrefectTrigger, TriggerError
+
+    if run not in ("prefect", "local", "none"):
+        raise typer.BadParameter("one of prefect, local, none", param_hint="--run")
+    who = by or getpass.getuser()
+    # --run local runs the flow below, in this process, once the ledger has reopened it
+    trigger: IncidentTrigger = PrefectTrigger(deployment) if run == "prefect" else NoTrigger()
+    with Ledger.from_url(url) as ledger:
+        try:
+            reopened = retry_incident(ledger, trigger, incident_id, by=who, reason=reason)
+        except (LedgerError, TriggerError) as err:
+            typer.echo(f"sdcguard incident retry: {err}", err=True)
+            raise typer.Exit(1) from err
+    summary: dict[str, object] = {"incident_id": incident_id, "reopened_as": reopened.state.value}
+    if run == "local":
+        from flows.incident import respond
+        from flows.wiring import build_backends, use_backends
+
+        with use_backends(build_backends(database_url=url)):
+            summary["result"] = respond(incident_id)
+    if as_json:
+        typer.echo(json.dumps(summary, default=str))
+    else:
+        typer.echo(
+            f"incident {incident_id} reopened as {reopened.state.value}"
+            + _retry_outcome(run, summary)
+        )
+
+
+def _retry_outcome(run: str, summary: dict[str, object]) -> str:
+    result = summary.get("result")
+    if isinstance(result, dict):
+        return f"; its flow ended {result.get('state')}"
+    if run == "prefect":
+        return "; a new flow run is started"
+    return "; no run started (run the incident deployment in the Prefect UI)"
 
 
 @app.command("replay-incident")

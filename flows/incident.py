@@ -17,8 +17,10 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from db import IncidentState
+from db import ClaimLost, IncidentState
 from flows.approval import artifact_key
+from flows.coordination import destructive_slot
+from flows.notify import NeedsHuman, needs_human
 from flows.policy import IncidentPolicy
 from flows.recovery_settings import FlowSettings
 from flows.report import incident_summary, report_markdown
@@ -63,7 +65,7 @@ class IncidentFailed(RuntimeError):
     validate_parameters=True,
 )
 def incident_response(
-    incident_id: str, policy: IncidentPolicy = IncidentPolicy()
+    incident_id: str, policy: IncidentPolicy = IncidentPolicy(), retry: bool = False
 ) -> dict[str, Any]:
     """Walk one silent-data-corruption incident to a safe end.
 
@@ -76,13 +78,22 @@ def incident_response(
     6. Approval: a human in the Prefect UI form (or the policy, on the strongest evidence).
        Reject → ``rejected`` (uncordon if asked); no answer in time → ``expired`` (stays
        cordoned, nothing replaced).
-    7. Replace the faulty node through HyperPod (or reboot it).
+    7. Replace the approved nodes through HyperPod (or reboot them) — from here to the resume,
+       one incident at a time fleet-wide (:mod:`flows.coordination`).
     8. Quarantine the checkpoints of the suspect range once more (late arrivals included).
     9. Resume from the newest verified checkpoint before the range, sha256 checked in storage.
     10. Resolved. The incident report is published as an artifact and returned as a dict.
+
+    ``retry``: a ``failed`` or ``expired`` incident is reopened first and continued (the
+    Prefect UI's way to move one forward; ``sdcguard incident retry`` does the same).
     """
     ledger = current_backends().ledger
-    if ledger.get_incident(incident_id).state.terminal:
+    current = ledger.get_incident(incident_id)
+    if retry and current.state in (IncidentState.FAILED, IncidentState.EXPIRED):
+        ledger.retry_incident(
+            incident_id, by=_run_name(), reason="retry requested on the incident flow run"
+        )
+    elif current.state.terminal:
         log.info("incident already closed; reporting only", extra={"incident": incident_id})
         return publish_report(incident_id)
 
@@ -102,9 +113,11 @@ def incident_response(
             incident_id, policy, poll_interval_s=FlowSettings().approval_poll_s
         )
         if decision.approved:
-            run(fix_nodes)
-            run(quarantine_suspect_checkpoints)
-            run(resume_training)
+            # The only stages that wait for other incidents: one fleet change at a time.
+            with destructive_slot(incident_id):
+                run(fix_nodes)
+                run(quarantine_suspect_checkpoints)
+                run(resume_training)
             close(
                 incident_id, IncidentState.RESOLVED, "training resumed from a verified checkpoint"
             )
@@ -123,19 +136,42 @@ def incident_response(
                 + ", nothing replaced, training stays stopped",
             )
         else:
-            close(
+            expired = close(
                 incident_id,
                 IncidentState.EXPIRED,
                 f"no decision within {policy.approval_timeout_s} s: nodes stay cordoned, "
                 "nothing replaced, training stays stopped",
             )
+            needs_human(
+                incident_id,
+                expired.job_id,
+                NeedsHuman.EXPIRED,
+                f"{expired.reason}; `sdcguard incident retry {incident_id}` asks again",
+            )
+    except ClaimLost as err:
+        # another run took this incident's claim over (ours had expired): it owns the incident
+        # now, so this run records nothing and stops — no destructive call was made after.
+        log.warning("claim lost, this run stops: %s", err, extra={"incident": incident_id})
+        raise
     except Exception as err:
         reason = f"{type(err).__name__}: {err}"
         log.error("incident failed: %s", reason, extra={"incident": incident_id})
         if not ledger.get_incident(incident_id).state.terminal:
-            ledger.transition(incident_id, IncidentState.FAILED, reason=reason)
+            failed = ledger.transition(incident_id, IncidentState.FAILED, reason=reason)
+            needs_human(
+                incident_id,
+                failed.job_id,
+                NeedsHuman.FAILED,
+                f"{reason}; fix the cause, then `sdcguard incident retry {incident_id}`",
+            )
         raise IncidentFailed(incident_id, reason, publish_report(incident_id)) from err
     return publish_report(incident_id)
+
+
+def _run_name() -> str:
+    from prefect.runtime import flow_run
+
+    return f"prefect flow run {flow_run.name or flow_run.id or 'unknown'}"
 
 
 def publish_report(incident_id: str) -> dict[str, Any]:

@@ -115,11 +115,8 @@ class PrefectTrigger:
 
     def fire(self, incident_id: str, job_id: str) -> None:
         # Imported here: importing prefect costs seconds, and only this trigger needs it.
-        from prefect.client.schemas.objects import FlowRun
-        from prefect.deployments import run_deployment
         from prefect.events import emit_event
 
-        extra = {"incident": incident_id, "job": job_id}
         emit_event(
             event=INCIDENT_OPENED_EVENT,
             resource={
@@ -136,12 +133,23 @@ class PrefectTrigger:
             payload={"incident_id": incident_id, "job_id": job_id},
             id=incident_event_id(incident_id),
         )
+        self._run(incident_id, job_id, f"incident-{incident_id}")
+
+    def fire_retry(self, incident_id: str, job_id: str, retry: int) -> None:
+        """Start the run of an operator's retry number ``retry`` (its own idempotency key)."""
+        self._run(incident_id, job_id, f"incident-{incident_id}-retry-{retry}")
+
+    def _run(self, incident_id: str, job_id: str, key: str) -> None:
+        from prefect.client.schemas.objects import FlowRun
+        from prefect.deployments import run_deployment
+
+        extra = {"incident": incident_id, "job": job_id}
         try:
             flow_run = run_deployment(
                 name=self.deployment,
                 parameters={"incident_id": incident_id},
                 timeout=0,
-                idempotency_key=f"incident-{incident_id}",
+                idempotency_key=key,
                 as_subflow=False,
             )
         except Exception as err:
@@ -379,7 +387,10 @@ class TriggerDispatcher:
                     self._in_flight = None
                     self._cond.notify_all()
             else:
-                logger.info("incident flow started", extra=extra)
+                # say what the trigger did, not what it might have done: NoTrigger starts nothing
+                logger.debug(
+                    "trigger %s handled the incident", type(self.trigger).__name__, extra=extra
+                )
                 with self._cond:
                     del self._queued[pending.incident_id]
                     self._in_flight = None

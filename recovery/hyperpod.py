@@ -543,14 +543,20 @@ class HyperPod:
         return True
 
     def wait_replaced(
-        self, instance_id: str, group: str, *, known_ids: Collection[str] | None = None
+        self,
+        instance_id: str,
+        group: str,
+        *,
+        known_ids: Collection[str] | None = None,
+        timeout_s: float | None = None,
     ) -> str:
         """Wait until ``instance_id`` left ``group`` and a new node there is ``Running``.
 
         Returns the new instance id. The new node is one not in ``known_ids`` (default: the
         members this object saw before its own replace). Without either, the first poll's
         members serve, provided the old node is still there (otherwise
-        :class:`MissingBaseline`). Two waits never return the same new node.
+        :class:`MissingBaseline`). Two waits never return the same new node. ``timeout_s``
+        (the incident policy's ``replacement_timeout_s``) overrides the adapter's default.
         """
         with self._lock:
             recorded = self._baselines.get(instance_id)
@@ -558,7 +564,8 @@ class HyperPod:
             frozenset(known_ids) if known_ids is not None else recorded
         )
         target = f"{self._cluster}/{instance_id}"
-        deadline = self._clock() + self._wait_timeout_s
+        limit_s = self._wait_timeout_s if timeout_s is None else timeout_s
+        deadline = self._clock() + limit_s
         while True:
             nodes = self.list_nodes(group)
             old = next((n for n in nodes if n.instance_id == instance_id), None)
@@ -585,7 +592,7 @@ class HyperPod:
                     _SYSTEM,
                     "wait for replacement of",
                     target,
-                    f"not done after {self._wait_timeout_s:g} s in group {group}: {seen}",
+                    f"not done after {limit_s:g} s in group {group}: {seen}",
                 )
 
     def _claim_new_node(

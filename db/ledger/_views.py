@@ -156,6 +156,8 @@ def _action_view(row: ActionRow) -> ActionView:
         started_at=row.started_at,
         finished_at=row.finished_at,
         detail=None if row.detail is None else dict(row.detail),
+        owner=row.owner,
+        lease_expires_at=row.lease_expires_at,
     )
 
 

@@ -2,7 +2,9 @@
 
 Invariants: at most one non-terminal incident per job; every move is legal by
 :func:`db.enums.can_transition` and appends a row to the incident's history; a terminal
-incident's record is final.
+incident's record is final — except that an operator may *retry* a ``failed`` or ``expired``
+one (:meth:`IncidentsMixin.retry_incident`): it goes back to the live state it left, in the
+history like any move, and a new flow run continues it from the ledger.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from db.enums import IncidentState, Verdict, can_transition
+from db.enums import ActionStatus, IncidentState, Verdict, can_transition
 from db.errors import IllegalTransition, IncidentConflict, InvalidValue
 from db.ledger._base import LedgerBase, _log
 from db.ledger._queries import _active_incident, _new_incident, _require_incident
@@ -26,7 +28,7 @@ from db.ledger._validate import (
     _require_text,
 )
 from db.ledger._views import _incident_view, _incident_views
-from db.models import IncidentEventRow, IncidentRow
+from db.models import ActionEventRow, ActionRow, IncidentEventRow, IncidentRow
 from db.views import IncidentView
 
 
@@ -180,3 +182,114 @@ class IncidentsMixin(LedgerBase):
             extra={"incident": incident_id, "job": view.job_id, "state": view.state.value},
         )
         return view
+
+    def retry_incident(self, incident_id: str, *, by: str, reason: str) -> IncidentView:
+        """Move a ``failed`` or ``expired`` incident back to the live state it ended from.
+
+        ``failed``: the failed stage and actions stay ``failed`` and are claimed again by the
+        next run, which looks at the outside systems before acting. ``expired``: the decision
+        is cleared and the approval stage reopened, so the next run asks again with a new
+        deadline. Refused (:class:`IllegalTransition`) for any other state, and
+        (:class:`IncidentConflict`) while the job has another live incident. The history row
+        carries ``{"retry": n, "by": by}``; ``n`` counts this incident's retries from 1.
+        """
+        who = _require_text("by", by, max_len=255)
+        why = _require_text("reason", reason, max_len=2000)
+
+        def work(s: Session) -> IncidentView:
+            # the job first, then the incident: the order open_incident takes them in
+            self._require_job(s, _require_incident(s, incident_id).job_id, lock=True)
+            row = _require_incident(s, incident_id, lock=True)
+            current = row.state
+            if current not in _RETRYABLE:
+                raise IllegalTransition(
+                    incident_id,
+                    current,
+                    current,
+                    "only a failed or expired incident can be retried",
+                )
+            active = _active_incident(s, row.job_id)
+            if active is not None and active.id != row.id:
+                raise IncidentConflict(row.job_id, active.id)
+            events = list(
+                s.scalars(
+                    select(IncidentEventRow)
+                    .where(IncidentEventRow.incident_id == row.id)
+                    .order_by(IncidentEventRow.id)
+                )
+            )
+            back = next(
+                (
+                    e.from_state
+                    for e in reversed(events)
+                    if e.to_state == current
+                    and e.from_state is not None
+                    and not e.from_state.terminal
+                ),
+                IncidentState.OPEN,
+            )
+            retries = 1 + sum(1 for e in events if (e.detail or {}).get("retry"))
+            now = self._clock()
+            if current == IncidentState.EXPIRED:
+                back = IncidentState.AWAITING_APPROVAL
+                row.decision = row.approver = row.approval_reason = None
+                row.decided_at = None
+                row.evidence = {
+                    k: v
+                    for k, v in (row.evidence or {}).items()
+                    if k not in ("approval", "approval_request")
+                }
+                _reopen_stage(s, row.id, "approval", now)
+            row.state = back
+            row.closed_at = None
+            row.reason = f"retried by {who}: {why}"
+            row.updated_at = now
+            s.add(
+                IncidentEventRow(
+                    incident_id=row.id,
+                    from_state=current,
+                    to_state=back,
+                    reason=row.reason,
+                    detail={"retry": retries, "by": who},
+                    at=now,
+                )
+            )
+            s.flush()
+            return _incident_view(s, row)
+
+        view = self._write("retry_incident", work)
+        _log.info(
+            "incident retried",
+            extra={"incident": incident_id, "job": view.job_id, "state": view.state.value},
+        )
+        return view
+
+
+_RETRYABLE = frozenset({IncidentState.FAILED, IncidentState.EXPIRED})
+
+
+def _reopen_stage(s: Session, incident_id: str, stage: str, now: Any) -> None:
+    """Mark a succeeded stage ``failed`` ("reopened"), so the next run performs it again."""
+    row = s.get(ActionRow, f"{incident_id}:stage:{stage}")
+    if row is None or row.status != ActionStatus.SUCCEEDED:
+        return
+    row.status = ActionStatus.FAILED
+    row.finished_at = now
+    detail = {"outcome": "reopened by a retry", "reopened": True}
+    row.detail = {**(row.detail or {}), **detail}
+    s.add(
+        ActionEventRow(
+            action_key=row.key,
+            incident_id=incident_id,
+            status=ActionStatus.FAILED,
+            attempt=row.attempts,
+            detail=detail,
+            at=now,
+        )
+    )
+    s.flush()
+
+
+def retry_count(incident: IncidentView) -> int:
+    """How many times the incident has been retried (0 for never)."""
+    return sum(1 for e in incident.history if (e.detail or {}).get("retry"))

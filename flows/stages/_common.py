@@ -11,22 +11,27 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from enum import StrEnum
 from typing import Any
 
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
+from prefect.exceptions import Pause
 from prefect.states import State
 
 from db import (
     ActionStatus,
+    AlarmView,
+    ClaimLost,
     IncidentState,
     IncidentView,
     LedgerTemporaryError,
     Verdict,
     can_transition,
 )
+from flows.coordination import CoordinationSettings, claim_owner
 from flows.policy import IncidentPolicy
 from flows.report import STAGE_KIND
 from flows.wiring import Backends, current_backends
@@ -38,7 +43,9 @@ __all__ = [
     "StageOutcome",
     "StageTask",
     "advance",
+    "approved_nodes",
     "close",
+    "culprit_unknown",
     "implicated_nodes",
     "log_extra",
     "nodes_to_fix",
@@ -53,6 +60,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 StageOutcome = dict[str, Any]
+
+current_stage_key: ContextVar[str | None] = ContextVar("sdcguard_stage_key", default=None)
+"""The ledger key of the stage this code runs in (set by :func:`record_stage`)."""
 StageTask = Task[[str, IncidentPolicy], StageOutcome]
 
 
@@ -102,29 +112,81 @@ def log_extra(incident_id: str, stage: Stage | str, **more: Any) -> dict[str, An
 
 
 def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome]) -> StageOutcome:
-    """Run ``body`` as the ledger action ``<incident>:stage:<stage>``; skip it once succeeded."""
+    """Run ``body`` as the ledger action ``<incident>:stage:<stage>``; skip it once succeeded.
+
+    The claim is this flow run's, leased (:func:`flows.coordination.claim_owner`): a stage
+    another live run holds raises :class:`db.ClaimLost` here, before anything is done.
+    """
     ledger = current_backends().ledger
-    claim = ledger.claim_action(incident_id, STAGE_KIND, stage.value)
+    owner = claim_owner()
+    claim = ledger.claim_action(
+        incident_id, STAGE_KIND, stage.value, owner=owner, lease_s=_lease_s()
+    )
     extra = log_extra(incident_id, stage)
     if not claim.won and claim.action.status is ActionStatus.SUCCEEDED:
         log.info("stage %s already done; not repeated", stage, extra=extra)
         return dict(claim.action.detail or {})
     if not claim.won:
-        log.warning("stage %s was interrupted in an earlier run; continuing", stage, extra=extra)
+        raise ClaimLost(claim.action.key, owner, claim.action.owner)
+    if claim.action.attempts > 1:
+        log.warning("stage %s: an earlier attempt did not finish; continuing", stage, extra=extra)
     log.info("stage %s started", stage, extra=extra)
+    token = current_stage_key.set(claim.action.key)
     try:
         outcome = body()
+    except ClaimLost:
+        raise  # not ours any more: nothing to record
     except Exception as err:
         ledger.finish_action(
             claim.action.key,
             ActionStatus.FAILED,
             {"outcome": f"failed: {err}", "error": f"{type(err).__name__}: {err}"},
+            owner=owner,
         )
         log.error("stage %s failed: %s", stage, err, extra=extra)
         raise
-    ledger.finish_action(claim.action.key, ActionStatus.SUCCEEDED, {**outcome, "error": None})
+    except BaseException as signal:
+        _release(claim.action.key, owner, signal, extra)
+        raise
+    finally:
+        current_stage_key.reset(token)
+    ledger.finish_action(
+        claim.action.key, ActionStatus.SUCCEEDED, {**outcome, "error": None}, owner=owner
+    )
     log.info("stage %s done: %s", stage, outcome.get("outcome"), extra=extra)
     return outcome
+
+
+def _lease_s() -> float:
+    return CoordinationSettings().claim_lease_s
+
+
+def _release(key: str, owner: str, signal: BaseException, extra: dict[str, Any]) -> None:
+    """Give up a claim when the engine stops the run (a ``BaseException``, not a failure).
+
+    Prefect suspends a run waiting for approval with its ``Pause`` signal and cancels one with
+    ``CancelledError``; both pass ``except Exception``. Left ``claimed``, the stage would look
+    in flight for ever; released (recorded ``failed`` with the signal's name, so a later run
+    looks before it acts again) it is continued by whichever run comes next. The signal is
+    re-raised by the caller; a ledger error here is logged and the signal still wins.
+    """
+    suspended = isinstance(signal, Pause)
+    what = (
+        "suspended: waiting for approval" if suspended else f"interrupted: {type(signal).__name__}"
+    )
+    try:
+        current_backends().ledger.finish_action(
+            key,
+            ActionStatus.FAILED,
+            {"outcome": what, "interrupted": type(signal).__name__},
+            owner=owner,
+        )
+    except Exception as err:
+        log.error("could not release %s after %s: %s", key, what, err, extra=extra)
+        return
+    log.log(
+        logging.INFO if suspended else logging.WARNING, "%s released (%s)", key, what, extra=extra
+    )
 
 
 def perform(
@@ -142,24 +204,40 @@ def perform(
     stored with the claim — *before* the call — so a later run knows what was about to happen.
     """
     ledger = current_backends().ledger
-    claim = ledger.claim_action(incident_id, kind.value, target, detail)
+    owner = claim_owner()
+    lease_s = _lease_s()
+    claim = ledger.claim_action(
+        incident_id, kind.value, target, detail, owner=owner, lease_s=lease_s
+    )
     action = claim.action
     on_job = kind in (Action.STOP_JOB, Action.RESUME)
     extra = log_extra(incident_id, kind.value, **{"job" if on_job else "node": target})
     if not claim.won and action.status is ActionStatus.SUCCEEDED:
         log.info("%s %s already done; not repeated", kind, target, extra=extra)
         return dict(action.detail or {})
-    first = claim.won and action.attempts == 1
+    if not claim.won:
+        raise ClaimLost(action.key, owner, action.owner)
+    # the stage this effect belongs to must still be ours: a run whose stage was taken over
+    # (its lease expired while it hung) performs nothing more
+    stage_key = current_stage_key.get()
+    if stage_key is not None:
+        ledger.hold_claim(stage_key, owner, lease_s)
+    first = action.attempts == 1
     if not first:
         log.warning(
             "%s %s: an earlier attempt may have acted; checking first", kind, target, extra=extra
         )
     try:
         result = act(first)
-    except Exception as err:
-        ledger.finish_action(action.key, ActionStatus.FAILED, {"error": f"{err}"})
+    except ClaimLost:
         raise
-    ledger.finish_action(action.key, ActionStatus.SUCCEEDED, {**result, "error": None})
+    except Exception as err:
+        ledger.finish_action(action.key, ActionStatus.FAILED, {"error": f"{err}"}, owner=owner)
+        raise
+    except BaseException as signal:
+        _release(action.key, owner, signal, extra)
+        raise
+    ledger.finish_action(action.key, ActionStatus.SUCCEEDED, {**result, "error": None}, owner=owner)
     log.info("%s %s done", kind, target, extra=extra)
     return {**(action.detail or {}), **result}
 
@@ -206,11 +284,32 @@ def with_evidence(incident: IncidentView, **items: Any) -> dict[str, Any]:
 
 
 def implicated_nodes(incident: IncidentView) -> list[str]:
-    """Every node the incident or its alarms name."""
-    names = set(incident.suspect_nodes)
+    """Every node the incident's alarms name as a suspect — never the reporting rank's node.
+
+    An alarm that names no suspect (two replicas that differ cannot say which one is wrong)
+    implicates nobody: the ledger records the reporter's node on the incident for context,
+    but the reporter is by construction a non-suspect, and cordoning it would take a healthy
+    node out. Only an incident opened by hand (no alarms) is taken at its word.
+    """
+    if not incident.alarms:
+        return sorted(set(incident.suspect_nodes))
+    names: set[str] = set()
     for alarm in incident.alarms:
-        names.update(alarm.suspect_nodes)
+        names.update(alarm_suspects(alarm))
     return sorted(names)
+
+
+def alarm_suspects(alarm: AlarmView) -> list[str]:
+    """The nodes an alarm accuses that belong to its job: a node outside the job's rank map is
+    evidence for a human (``outside_rank_map``), never a target of automation or of the storm
+    guard's count (a forged or confused alarm must not trip it either)."""
+    outside = set(alarm.outside_rank_map)
+    return [node for node in alarm.suspect_nodes if node not in outside]
+
+
+def culprit_unknown(incident: IncidentView) -> bool:
+    """No alarm names a suspect: nothing is cordoned automatically; a human decides."""
+    return not implicated_nodes(incident)
 
 
 def verdict_of(incident: IncidentView) -> dict[str, Any]:
@@ -223,6 +322,17 @@ def nodes_to_fix(incident: IncidentView) -> list[str]:
     if verdict.get("verdict") == Verdict.HARDWARE.value and verdict.get("node"):
         return [str(verdict["node"])]
     return implicated_nodes(incident)
+
+
+def approved_nodes(incident: IncidentView) -> list[str]:
+    """Exactly the nodes the recorded decision approved for the fix — never recomputed.
+
+    A decision recorded before approvals named their nodes falls back to :func:`nodes_to_fix`.
+    """
+    approval = (incident.evidence or {}).get("approval") or {}
+    if "nodes" in approval:
+        return [str(n) for n in approval["nodes"] or []]
+    return nodes_to_fix(incident)
 
 
 def close(incident_id: str, to: IncidentState, reason: str) -> IncidentView:

@@ -1,15 +1,23 @@
 """The approval stage: the policy's decision on the strongest evidence, or a human's.
 
-The form and the pause live in :mod:`flows.approval`; this module gathers the evidence the
+The form and the wait live in :mod:`flows.approval`; this module gathers the evidence the
 approver sees and records the decision, so an approver is never asked twice.
+
+Invariants: the request (the nodes put to the approver and the deadline) is recorded in the
+ledger before the wait, once; a re-entered run reuses it, so the clock never restarts and a
+later alarm never widens what is being decided. The decision names exactly the nodes approved,
+a subset of the request's; the fix stage replaces those and no other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from db import IncidentState, IncidentView
-from flows.approval import ApprovalChoice, Evidence, ask_for_approval
+from flows.approval import ApprovalChoice, Evidence, ask_for_approval, flow_run_name
+from flows.notify import NeedsHuman, needs_human
 from flows.policy import AlarmEvidence, IncidentPolicy, StormCheck, auto_approval
 from flows.stages._common import (
     Stage,
@@ -35,6 +43,8 @@ class Decision:
     choice: str
     """``approve``, ``reject`` or ``expire``."""
     uncordon_on_reject: bool = False
+    nodes: tuple[str, ...] = field(default=())
+    """On approve, exactly the nodes approved for the fix."""
 
     @property
     def approved(self) -> bool:
@@ -95,6 +105,8 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
         incident = advance(
             b, incident_id, IncidentState.AWAITING_APPROVAL, reason="waiting for a decision"
         )
+        request, fresh = _request(b, incident, policy)
+        requested = list(request["nodes"])
         verdict = verdict_of(incident)
         storm = _storm_of(incident)
         auto = auto_approval(
@@ -104,8 +116,15 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
             alarms=_alarm_evidence(incident),
             storm=storm,
         )
-        if auto.approved:
-            return _decide(b, incident_id, ApprovalChoice.APPROVE.value, AUTO_APPROVER, auto.reason)
+        if auto.approved and requested:  # culprit unknown: never approved without a human
+            return _decide(
+                b,
+                incident_id,
+                ApprovalChoice.APPROVE.value,
+                AUTO_APPROVER,
+                auto.reason,
+                nodes=requested,
+            )
         evidence = Evidence(
             incident_id=incident_id,
             job_id=incident.job_id,
@@ -117,10 +136,17 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
             auto_approval=auto.reason,
             rollback_checkpoint_step=_rollback_step(b, incident),
             alarm_count=len(incident.alarms),
-            nodes_to_fix=nodes_to_fix(incident),
+            nodes_to_fix=requested,
             action=policy.action.value,
         )
-        answer = ask_for_approval(evidence, policy, poll_interval_s=poll_interval_s)
+        if fresh:  # paged once per request, not again when a suspended run is re-entered
+            _page(incident, requested)
+        answer = ask_for_approval(
+            evidence,
+            policy,
+            poll_interval_s=poll_interval_s,
+            deadline=datetime.fromisoformat(str(request["deadline"])),
+        )
         if answer is None:
             return _decide(
                 b,
@@ -129,20 +155,82 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
                 None,
                 f"no decision within {policy.approval_timeout_s} s",
             )
+        choice, reason, approved = _bind(
+            answer.decision.value, answer.reason, answer.nodes, requested
+        )
         return _decide(
             b,
             incident_id,
-            answer.decision.value,
+            choice,
             answer.approver,
-            answer.reason,
+            reason,
             uncordon_on_reject=answer.uncordon_on_reject,
+            nodes=approved,
         )
 
     outcome = record_stage(Stage.APPROVAL, incident_id, body)
     return Decision(
         choice=str(outcome["decision"]),
         uncordon_on_reject=bool(outcome.get("uncordon_on_reject", False)),
+        nodes=tuple(outcome.get("nodes") or ()),
     )
+
+
+def _page(incident: IncidentView, requested: list[str]) -> None:
+    if requested:
+        why, message = (
+            NeedsHuman.APPROVAL,
+            f"approve or reject {', '.join(requested)} for job {incident.job_id} in the "
+            f"Prefect UI (flow run {flow_run_name(incident.id)})",
+        )
+    else:
+        why, message = (
+            NeedsHuman.CULPRIT_UNKNOWN,
+            f"culprit unknown: no alarm of job {incident.job_id} names a suspect node; nothing "
+            f"was cordoned; decide in the Prefect UI (flow run {flow_run_name(incident.id)})",
+        )
+    needs_human(incident.id, incident.job_id, why, message)
+
+
+def _request(
+    b: Backends, incident: IncidentView, policy: IncidentPolicy
+) -> tuple[dict[str, Any], bool]:
+    """The question put to the approver, recorded once: the nodes and the deadline.
+
+    Returns it, and whether it was recorded just now."""
+    recorded = (incident.evidence or {}).get("approval_request")
+    if recorded:
+        return dict(recorded), False
+    deadline = datetime.now(UTC) + timedelta(seconds=policy.approval_timeout_s)
+    request = {"nodes": nodes_to_fix(incident), "deadline": deadline.isoformat()}
+    b.ledger.transition(
+        incident.id,
+        incident.state,
+        evidence=with_evidence(incident, approval_request=request),
+    )
+    return request, True
+
+
+def _bind(
+    choice: str, reason: str, answered: list[str], requested: list[str]
+) -> tuple[str, str, list[str]]:
+    """Bind an answer to the request: approve exactly the named nodes that were asked about.
+
+    An empty node list approves every requested node. Names outside the request are never
+    fixed; an approval that names none of the requested nodes approves nothing and is
+    recorded as a rejection, with the reason.
+    """
+    if choice != ApprovalChoice.APPROVE.value:
+        return choice, reason, []
+    if not answered:
+        return choice, reason, list(requested)
+    approved = [n for n in requested if n in answered]
+    unknown = sorted(set(answered) - set(requested))
+    if unknown:
+        reason += f" (not in the evidence, ignored: {', '.join(unknown)})"
+    if not approved:
+        return ApprovalChoice.REJECT.value, reason + "; no requested node approved", []
+    return choice, reason, approved
 
 
 def _decide(
@@ -153,12 +241,14 @@ def _decide(
     reason: str,
     *,
     uncordon_on_reject: bool = False,
+    nodes: list[str] | None = None,
 ) -> StageOutcome:
     record = {
         "decision": choice,
         "approver": approver,
         "reason": reason,
         "uncordon_on_reject": uncordon_on_reject if choice == ApprovalChoice.REJECT else False,
+        "nodes": list(nodes or []) if choice == ApprovalChoice.APPROVE else [],
     }
     incident = b.ledger.get_incident(incident_id)
     b.ledger.transition(

@@ -19,6 +19,7 @@ from flows.stages._common import (
     Stage,
     StageOutcome,
     advance,
+    alarm_suspects,
     implicated_nodes,
     log_extra,
     perform,
@@ -46,7 +47,7 @@ def triage(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
         for other in b.ledger.list_incidents()
         if other.updated_at >= since
         for alarm in other.alarms
-        for node in alarm.suspect_nodes
+        for node in alarm_suspects(alarm)
     ]
     check = storm_guard(
         implicated=implicated_nodes(incident),
@@ -111,6 +112,18 @@ def cordon_suspects(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
     b = current_backends()
     incident = b.ledger.get_incident(incident_id)
     nodes = implicated_nodes(incident)
+    if not nodes:
+        reason = (
+            "culprit unknown: no alarm names a suspect node, so nothing is cordoned; "
+            "a human decides from the evidence"
+        )
+        log.warning("%s", reason, extra=log_extra(incident_id, Stage.CORDON))
+        b.ledger.transition(
+            incident_id,
+            incident.state,
+            evidence=with_evidence(incident, culprit_unknown=True),
+        )
+        return {"outcome": reason, "cordoned": [], "culprit_unknown": True}
     if incident.storm and not policy.cordon_in_storm:
         return {
             "outcome": f"not cordoned during an alarm storm: {', '.join(nodes)} stay schedulable",

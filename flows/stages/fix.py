@@ -18,15 +18,15 @@ from flows.stages._common import (
     Stage,
     StageOutcome,
     advance,
+    approved_nodes,
     implicated_nodes,
-    nodes_to_fix,
     perform,
     stage,
 )
 from flows.stages.containment import uncordon
 from flows.wiring import Backends, current_backends
 from recovery.errors import NotFoundError
-from recovery.hyperpod import INSTANCE_ID_LABEL, AlreadyReplacing, NodeStatus
+from recovery.hyperpod import INSTANCE_ID_LABEL, AlreadyReplacing, NodeFailureCode, NodeStatus
 
 __all__ = ["fix_nodes"]
 
@@ -60,16 +60,31 @@ def _status(b: Backends, instance_id: str) -> str:
         return NodeStatus.NOT_FOUND.value
 
 
-def _replace(b: Backends, plan: dict[str, Any], first: bool) -> dict[str, Any]:
+def _replace(b: Backends, plan: dict[str, Any], timeout_s: float, first: bool) -> dict[str, Any]:
+    """Replace once, converging after a crash: on a later attempt HyperPod may already be
+    replacing the instance while still reporting it ``Running``; its ``InstanceIdInUse`` then
+    means "already replacing" — we wait for that replacement instead of failing."""
     node, instance_id, group = plan["node"], plan["instance_id"], plan["group"]
     leaving = (NodeStatus.SHUTTING_DOWN.value, NodeStatus.NOT_FOUND.value)
+    extra = {"node": node, "instance_id": instance_id}
     if first or _status(b, instance_id) not in leaving:
         try:
-            b.hyperpod.replace(instance_id).raise_for_failures()
+            result = b.hyperpod.replace(instance_id)
+            in_use = [f for f in result.failed if f.code == NodeFailureCode.INSTANCE_ID_IN_USE]
+            if in_use and not first:
+                log.warning(
+                    "%s: HyperPod says an operation is in progress (%s); an earlier attempt's "
+                    "replacement, waiting for it",
+                    node,
+                    in_use[0].message,
+                    extra=extra,
+                )
+            else:
+                result.raise_for_failures()
         except AlreadyReplacing:
-            log.warning("%s is already being replaced; waiting for it", node, extra={"node": node})
+            log.warning("%s is already being replaced; waiting for it", node, extra=extra)
     new_instance = b.hyperpod.wait_replaced(
-        instance_id, group, known_ids=frozenset(plan["members_before"])
+        instance_id, group, known_ids=frozenset(plan["members_before"]), timeout_s=timeout_s
     )
     new_node = b.directory.joined(node, new_instance)
     return {"new_instance_id": new_instance, "new_node": new_node}
@@ -93,14 +108,15 @@ def fix_nodes(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
     )
     replaced: list[dict[str, Any]] = []
     rebooted: list[dict[str, Any]] = []
-    for node in nodes_to_fix(incident):
+    approved = approved_nodes(incident)
+    for node in approved:
         plan = _replacement_plan(b, incident_id, node)
         if policy.action is NodeAction.REPLACE:
             done = perform(
                 incident_id,
                 Action.REPLACE,
                 node,
-                functools.partial(_replace, b, plan),
+                functools.partial(_replace, b, plan, float(policy.replacement_timeout_s)),
                 detail=plan,
             )
             replaced.append(
@@ -128,7 +144,7 @@ def fix_nodes(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
             rebooted.append({"node": node, "instance_id": plan["instance_id"]})
     # Suspects the replay cleared (a hardware verdict named another node) go back to work:
     # the job resumes on them, and a cordoned node cannot take its pods.
-    cleared = [n for n in implicated_nodes(incident) if n not in nodes_to_fix(incident)]
+    cleared = [n for n in implicated_nodes(incident) if n not in approved]
     for node in cleared:
         perform(
             incident_id, Action.UNCORDON, node, functools.partial(uncordon, b, incident_id, node)

@@ -47,6 +47,7 @@ from db import (
 from flows.trigger import IncidentTrigger, TriggerDispatcher
 from flows.webhook.auth import Credentials, Principal
 from flows.webhook.batcher import DEFAULT_ALARM_BATCH, AlarmBatcher, AlarmQueue
+from flows.webhook.incidents_api import incidents_router
 from flows.webhook.models import (
     LEDGER_ERRORS,
     READ_ERRORS,
@@ -397,6 +398,7 @@ def create_app(
         return TriggerQueued(incident_id=incident.id, queued=queued)
 
     app.include_router(signed)
+    app.include_router(incidents_router(ledger, trigger, guard))
 
     @app.get(
         "/v1/incidents",

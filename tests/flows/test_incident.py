@@ -31,6 +31,7 @@ from db import (
     ActionStatus,
     AlarmIn,
     CheckpointStatus,
+    IllegalTransition,
     IncidentState,
     Ledger,
     RankIn,
@@ -39,6 +40,8 @@ from flows.approval import ApprovalDecision, artifact_key, submit_decision
 from flows.incident import IncidentFailed, incident_response, respond
 from flows.policy import IncidentPolicy, NodeAction
 from flows.report import STAGE_KIND, incident_summary
+from flows.retry import retry_incident
+from flows.trigger import RecordingTrigger
 from flows.wiring import Backends, LocalJobCatalog, LocalNodeDirectory, use_backends
 from recovery import moto_hyperpod
 from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
@@ -274,7 +277,7 @@ def build_site(
         checkpoints[step] = path
         if step < 39:
             ledger.record_audit(JOB, step + 1, "loss", [0, 1, 2, 3], True)
-    outcome = ledger.record_alarm(_alarm(ALARM_STEP, suspects or [FAULTY]))
+    outcome = ledger.record_alarm(_alarm(ALARM_STEP, [FAULTY] if suspects is None else suspects))
     replay = replay if replay is not None else ScriptedReplay({FAULTY: 33})
     backends = Backends(
         ledger=ledger,
@@ -542,6 +545,53 @@ def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(
         site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
 
 
+def test_approving_one_of_two_suspects_replaces_exactly_that_one(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
+) -> None:
+    """The replay names nobody, so both suspects are put to the approver; only one is approved."""
+    site = build_site(
+        tmp_path, sqlite_ledger, local_aws, suspects=["node-1", FAULTY], replay=ScriptedReplay({})
+    )
+    replaces_before = moto_hyperpod.call_count("BatchReplaceClusterNodes")
+    answer = {**APPROVE, "nodes": [FAULTY]}
+    try:
+        with Approver(site.incident_id, answer) as approver:
+            summary = site.respond(FAST.model_copy(update={"storm_node_share": 1.0}))
+        assert approver.error is None
+        incident = site.incident()
+        assert summary["state"] == "resolved", incident.reason
+        assert (incident.evidence or {})["approval_request"]["nodes"] == ["node-1", FAULTY]
+        assert (incident.evidence or {})["approval"]["nodes"] == [FAULTY]
+        states = {r.name: r.state for r in site.cluster.records()}
+        assert states[FAULTY] is NodeState.GONE
+        assert states["node-1"] is not NodeState.GONE
+        assert not site.cluster.node("node-1").unschedulable  # not approved: back to work
+        assert moto_hyperpod.call_count("BatchReplaceClusterNodes") - replaces_before == 1
+        assert [t for v, t in site.effects.done if v == "replace"] == [site.instance_ids[FAULTY]]
+    finally:
+        site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
+
+
+def test_a_culprit_unknown_alarm_cordons_nothing_and_asks_a_human(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
+) -> None:
+    """Two replicas differ and neither is named: the reporter (node-0) is no suspect either."""
+    site = build_site(tmp_path, sqlite_ledger, local_aws, suspects=[])
+    try:
+        site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+        incident = site.incident()
+        assert (incident.evidence or {}).get("culprit_unknown") is True
+        assert not any(site.cluster.node(n).unschedulable for n in NODES + SPARES)
+        assert [v for v, _ in site.effects.done] == ["stop"]  # stopped, nothing cordoned
+        assert incident.state is IncidentState.EXPIRED  # auto-approve refused; a human asked
+        assert incident.approver is None
+        assert (incident.evidence or {})["approval_request"]["nodes"] == []
+        cordon = next(a for a in incident.actions if a.target == "cordon")
+        assert "culprit unknown" in str((cordon.detail or {}).get("outcome"))
+    finally:
+        site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
+
+
 def test_a_crash_after_any_side_effect_is_continued_by_a_rerun_exactly_once(site: Site) -> None:
     replaces_before = moto_hyperpod.call_count("BatchReplaceClusterNodes")
     site.effects.crash_after = {1, 2, 3, 4, 5}
@@ -576,7 +626,14 @@ def test_a_crash_after_any_side_effect_is_continued_by_a_rerun_exactly_once(site
         if e.status is ActionStatus.CLAIMED
     ]
     side_effects = {a.key for a in _side_effect_actions(site)}
-    assert sorted(k for k in claims if k in side_effects) == sorted(side_effects)
+    assert {k for k in claims if k in side_effects} == side_effects
+    # each crash released the claim it interrupted: recorded, named, and continued next run
+    interrupted = [
+        e
+        for e in site.ledger.action_events(site.incident_id)
+        if e.status is ActionStatus.FAILED and (e.detail or {}).get("interrupted") == "Crash"
+    ]
+    assert len(interrupted) >= crashes
     assert len(site.job_record()["launches"]) == 2  # the original run and one resume
 
 
@@ -590,7 +647,9 @@ def test_a_temporary_error_is_retried_and_recovers(site: Site) -> None:
     assert replace.status is ActionStatus.SUCCEEDED
 
 
-def test_an_action_failing_after_its_retries_fails_the_incident(site: Site) -> None:
+def test_an_action_failing_after_its_retries_fails_the_incident_and_a_retry_resolves_it(
+    site: Site,
+) -> None:
     moto_hyperpod.inject_throttling("BatchReplaceClusterNodes", FAST.task_retries + 1)
     with pytest.raises(IncidentFailed) as failed:
         site.run(AUTO)
@@ -605,6 +664,24 @@ def test_an_action_failing_after_its_retries_fails_the_incident(site: Site) -> N
     assert replace.attempts == FAST.task_retries + 1
     assert site.cluster.node(FAULTY).unschedulable  # nothing was undone or replaced
     assert ("resume", JOB) not in site.effects.done
+
+    # the operator retries once the throttling is over: the ledger reopens it where it failed
+    trigger = RecordingTrigger()
+    reopened = retry_incident(site.ledger, trigger, site.incident_id, by="oncall", reason="blip")
+    assert reopened.state is IncidentState.REPLACING
+    assert trigger.calls == [(site.incident_id, JOB)]
+    assert site.run(AUTO)["state"] == "resolved"
+    incident = site.incident()
+    assert incident.state is IncidentState.RESOLVED
+    retried = [e for e in incident.history if (e.detail or {}).get("retry")]
+    assert [(e.from_state, e.to_state, e.detail) for e in retried] == [
+        (IncidentState.FAILED, IncidentState.REPLACING, {"retry": 1, "by": "oncall"})
+    ]
+    assert [v for v, _ in site.effects.done].count("replace") == 1
+    assert ("resume", JOB) in site.effects.done
+    # resolved is final: a second retry is refused
+    with pytest.raises(IllegalTransition):
+        retry_incident(site.ledger, trigger, site.incident_id, by="oncall", reason="again")
 
 
 def test_a_corrupt_newest_checkpoint_is_marked_and_the_next_older_one_is_used(site: Site) -> None:
@@ -788,7 +865,9 @@ def test_a_crash_inside_a_read_only_stage_is_continued_by_a_rerun(
         site.run(AUTO)
     stage = "telemetry" if backend == "telemetry" else "replay"
     stuck = next(a for a in site.incident().actions if a.key.endswith(f":stage:{stage}"))
-    assert stuck.status is ActionStatus.CLAIMED
+    # the signal passed every `except Exception`, and the stage was released on its way out
+    assert stuck.status is ActionStatus.FAILED
+    assert (stuck.detail or {}).get("interrupted") == "Crash"
 
     summary = site.run(AUTO)
     assert summary["state"] == "resolved"

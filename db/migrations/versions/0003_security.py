@@ -1,7 +1,7 @@
 """Security: replay store, rank-map flags, registration generations, privileges, no TRUNCATE.
 
 Revision ID: 0003
-Revises: 0001
+Revises: 0002
 Create Date: 2026-12-01
 
 * ``request_nonces``: nonces of signed requests, so a replay inside the window is refused by
@@ -26,7 +26,7 @@ from alembic import op
 from db.roles import EVENT_TABLES, NONCE_TABLE, STATE_TABLES, grant_runtime_role
 
 revision: str = "0003"
-down_revision: str | Sequence[str] | None = "0001"
+down_revision: str | Sequence[str] | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -1,0 +1,108 @@
+"""Where incidents wait for each other: one global concurrency limit around destructive stages.
+
+Containment (stop, cordon, telemetry) and the diagnosis of an incident never wait for another
+incident: a second faulty job must be stopped and its node cordoned while the first incident is
+still replacing. Only what changes the fleet — replace or reboot a node, then resume a job onto
+the new node set — is serialised, by a Prefect *global* concurrency limit (``limit: 1`` by
+default) held for exactly those stages, never by a deployment-wide limit. Nothing is held while
+an incident waits for its approver.
+
+The limit is created by code, here, idempotently: :func:`ensure_prefect_objects` runs in every
+flow run before the first destructive stage and from ``sdcguard prefect-setup`` beside
+``prefect deploy``; ``strict=True`` makes a missing limit an error instead of "no limit".
+
+Invariant: a slot is held only inside :func:`destructive_slot`; leaving it (return, exception,
+cancellation) releases it, and the lease (``lease_s``) bounds how long a dead holder blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import uuid
+from collections.abc import Iterator
+
+from prefect.client.orchestration import get_client
+from prefect.concurrency.sync import concurrency
+from prefect.context import FlowRunContext
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["CoordinationSettings", "claim_owner", "destructive_slot", "ensure_prefect_objects"]
+
+log = logging.getLogger(__name__)
+
+
+class CoordinationSettings(BaseSettings):
+    """The global limit around destructive stages (``SDCGUARD_FLOW_…``)."""
+
+    model_config = SettingsConfigDict(env_prefix="SDCGUARD_FLOW_", extra="ignore")
+
+    destructive_limit: str = Field(
+        default="sdcguard-destructive",
+        min_length=1,
+        max_length=100,
+        description="Name of the Prefect global concurrency limit around replace and resume.",
+    )
+    destructive_slots: int = Field(
+        default=1,
+        ge=1,
+        le=100,
+        description="How many incidents may replace/resume at once, fleet-wide.",
+    )
+    destructive_lease_s: float = Field(
+        default=300.0,
+        ge=60.0,  # the Prefect API's minimum
+        le=3600.0,
+        description="Lease of a held slot; renewed while held, expires if the holder dies.",
+    )
+    claim_lease_s: float = Field(
+        default=3600.0,
+        ge=1.0,
+        le=24 * 3600.0,
+        description=(
+            "Lease of a ledger claim (a stage or a side effect), renewed before every "
+            "destructive call; longer than the longest single call (a HyperPod replacement). "
+            "Another run takes a claim over only after it expired."
+        ),
+    )
+
+
+_PROCESS_OWNER = f"process-{uuid.uuid4()}"
+
+
+def claim_owner() -> str:
+    """Who holds the ledger claims this code makes: the Prefect flow run (stable across a
+    suspend and its re-entry), or, outside any run, one id per process."""
+    context = FlowRunContext.get()
+    if context is not None and context.flow_run is not None:
+        return f"flow-run-{context.flow_run.id}"
+    return _PROCESS_OWNER
+
+
+def ensure_prefect_objects(settings: CoordinationSettings | None = None) -> None:
+    """Create (or correct) the global concurrency limit on the current Prefect API."""
+    s = settings or CoordinationSettings()
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(s.destructive_limit, s.destructive_slots)
+    log.info(
+        "global concurrency limit ready",
+        extra={"limit": s.destructive_limit, "slots": s.destructive_slots},
+    )
+
+
+@contextlib.contextmanager
+def destructive_slot(
+    incident_id: str, settings: CoordinationSettings | None = None
+) -> Iterator[None]:
+    """Hold one slot of the destructive limit for the block; waits while another incident does."""
+    s = settings or CoordinationSettings()
+    ensure_prefect_objects(s)
+    extra = {"incident": incident_id, "limit": s.destructive_limit}
+    log.info("waiting for a destructive slot", extra=extra)
+    with concurrency(
+        s.destructive_limit, occupy=1, strict=True, lease_duration=s.destructive_lease_s
+    ):
+        log.info("destructive slot held", extra=extra)
+        yield
+    log.info("destructive slot released", extra=extra)

@@ -1,0 +1,103 @@
+"""A run that lost its claim to a takeover makes no destructive call and records nothing.
+
+Run A holds the ``replace`` stage; its lease runs out while it is stuck (the clock is moved by
+hand); run B takes the stage over (a trail event names A); when A gets to its side effect, the
+check before the call finds the stage is not A's any more: the call is never made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import pytest
+
+from db import ActionStatus, ClaimLost, Ledger
+from flows.coordination import claim_owner
+from flows.stages import Action, Stage, perform, record_stage
+from flows.wiring import Backends, use_backends
+from tests.db.support import make_alarm
+
+LEASE_S = 60.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def timed(
+    sqlite_database_url: str, clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Ledger]:
+    monkeypatch.setenv("SDCGUARD_FLOW_CLAIM_LEASE_S", str(LEASE_S))
+    with Ledger.from_url(sqlite_database_url, clock=clock) as ledger:
+        # only the ledger is used: no stage body here reaches another backend
+        none = cast(Any, None)
+        backends = Backends(
+            ledger=ledger,
+            nodes=none,
+            jobs=none,
+            telemetry=none,
+            replay=none,
+            hyperpod=none,
+            checkpoints=none,
+            directory=none,
+            catalog=none,
+            description="ledger only",
+        )
+        with use_backends(backends):
+            yield ledger
+
+
+def test_a_run_whose_stage_was_taken_over_makes_no_destructive_call(
+    timed: Ledger, clock: Clock
+) -> None:
+    incident_id = timed.record_alarm(make_alarm()).incident_id
+    calls: list[bool] = []
+
+    def stuck_then_acting() -> dict[str, Any]:
+        clock.now += timedelta(seconds=LEASE_S + 1)  # A hung past its lease
+        taken = timed.claim_action(
+            incident_id, "stage", Stage.REPLACE.value, owner="flow-run-b", lease_s=LEASE_S
+        )
+        assert taken.won  # B took the stage over
+        return perform(
+            incident_id, Action.REPLACE, "node-2", lambda first: calls.append(first) or {}
+        )
+
+    with pytest.raises(ClaimLost):
+        record_stage(Stage.REPLACE, incident_id, stuck_then_acting)
+
+    assert calls == []  # the replace was never called
+    stage = next(a for a in timed.actions(incident_id) if a.target == Stage.REPLACE.value)
+    assert (stage.status, stage.owner) == (ActionStatus.CLAIMED, "flow-run-b")
+    takeover = [
+        e for e in timed.action_events(incident_id) if (e.detail or {}).get("taken_over_from")
+    ]
+    assert [e.detail["taken_over_from"] for e in takeover if e.detail] == [claim_owner()]
+    # A's side-effect claim was made before the check and is left for B to continue
+    replace = next(a for a in timed.actions(incident_id) if a.kind == Action.REPLACE.value)
+    assert replace.owner == claim_owner()
+
+
+def test_the_same_run_continues_its_own_claim(timed: Ledger) -> None:
+    """A task retry (same flow run) is not a takeover: it goes on, one attempt more."""
+    incident_id = timed.record_alarm(make_alarm()).incident_id
+    first = timed.claim_action(
+        incident_id, "stage", Stage.REPLACE.value, owner=claim_owner(), lease_s=LEASE_S
+    )
+    assert first.won
+    outcome = record_stage(Stage.REPLACE, incident_id, lambda: {"outcome": "done"})
+    assert outcome["outcome"] == "done"
+    stage = next(a for a in timed.actions(incident_id) if a.target == Stage.REPLACE.value)
+    assert (stage.status, stage.attempts) == (ActionStatus.SUCCEEDED, 2)
