@@ -98,7 +98,7 @@ class _Kubelet:
             pod,
             namespace=NS,
             node=job["spec"]["template"]["spec"]["nodeName"],
-            labels={"job-name": name},
+            labels={"job-name": name, "batch.kubernetes.io/job-name": name},
             owner_kind="Job",
             owner_name=name,
             phase="Succeeded" if done.returncode == 0 else "Failed",
