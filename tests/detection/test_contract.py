@@ -103,3 +103,21 @@ def test_gpu_index(
     local_rank: int, visible: int, current: int | None, expected: int | None
 ) -> None:
     assert gpu_index(local_rank, visible, current) == expected
+
+
+def test_the_gate_records_the_uri_the_control_plane_reads(tmp_path: Path) -> None:
+    from detection.fingerprint import Fingerprint
+    from detection.gate import CheckpointGate, StepOutcome
+
+    gate = CheckpointGate(tmp_path, audit_every=0, uri_prefix="s3://ckpts/llm-7b/")
+    gate.observe(StepOutcome(step=1, ranks=(0,), fingerprint=Fingerprint(1, 2), vote_passed=True))
+    record = gate.write(1, lambda p: p.write_bytes(b"state"))
+    assert record.uri == "s3://ckpts/llm-7b/ckpt-000001.pt"
+    gate.observe(StepOutcome(step=2, ranks=(0,), fingerprint=Fingerprint(1, 3), vote_passed=True))
+    given = gate.write(2, lambda p: p.write_bytes(b"state"), uri="file:///fsx/c/2.pt")
+    assert given.uri == "file:///fsx/c/2.pt"
+    plain = CheckpointGate(tmp_path / "p", audit_every=0)
+    plain.observe(StepOutcome(step=1, ranks=(0,), fingerprint=Fingerprint(1, 2), vote_passed=True))
+    assert plain.write(1, lambda p: p.write_bytes(b"s")).uri == str(
+        (tmp_path / "p" / "ckpt-000001.pt").resolve()
+    )
