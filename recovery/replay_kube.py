@@ -117,7 +117,7 @@ def _user_containers(
             resources = container.setdefault("resources", {})
             for part in ("limits", "requests"):
                 if part == "limits" or GPU_RESOURCE in (resources.get(part) or {}):
-                    resources.setdefault(part, {})[GPU_RESOURCE] = gpus
+                    resources.setdefault(part, {})[GPU_RESOURCE] = str(gpus)  # a quantity
     return containers
 
 
@@ -160,7 +160,7 @@ def replay_job_manifest(
         "command": ["/bin/sh", "-c", script],
     }
     if gpus:
-        container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+        container["resources"] = {"limits": {GPU_RESOURCE: str(gpus)}}  # a quantity
     pod_spec: dict[str, Any] = {"containers": [container]}
     if service_account:
         pod_spec["serviceAccountName"] = service_account

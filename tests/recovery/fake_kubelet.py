@@ -77,6 +77,12 @@ class FakeKubelet:
         self.fake.route(
             "GET", r"/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<pod>[^/]+)/log", self._log
         )
+        # The exec websocket is not spoken here: refuse at once, as an API server that forbids it.
+        self.fake.route(
+            "GET", r"/api/v1/namespaces/[^/]+/pods/[^/]+/exec", lambda r, m: FakeResponse(
+                403, {"kind": "Status", "code": 403, "reason": "Forbidden",
+                      "message": "the fake kubelet serves no exec"})
+        )  # fmt: skip
         return self
 
     def stop(self) -> None:
@@ -91,7 +97,15 @@ class FakeKubelet:
 
     # -- controllers -------------------------------------------------------------------
     def _on_event(self, verb: str, plural: str, old: JSON | None, new: JSON | None) -> None:
-        if plural == "jobs":
+        if plural == "pods" and verb == "create" and new is not None:
+            # A bare pod (no controller of ours): scheduled and running at once, no process.
+            name, ns = new["metadata"]["name"], new["metadata"]["namespace"]
+            self.fake.mutate(
+                "/api/v1", "pods", name,
+                lambda o: o.setdefault("status", {}).update(phase="Running", podIP="127.0.0.1"),
+                namespace=ns,
+            )  # fmt: skip
+        elif plural == "jobs":
             was = old is not None and not old["spec"].get("suspend")
             now = new is not None and not new["spec"].get("suspend")
             obj = new or old

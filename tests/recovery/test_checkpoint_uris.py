@@ -82,9 +82,7 @@ def test_a_sharded_checkpoint_is_verified_by_s3_checksums_without_a_download(
     assert s3.gets == ["/j/step-8/manifest.json"]  # the shards were only HEADed
 
 
-def test_a_corrupt_shard_or_manifest_fails_verification(
-    store: UriCheckpointStore, s3: Any
-) -> None:
+def test_a_corrupt_shard_or_manifest_fails_verification(store: UriCheckpointStore, s3: Any) -> None:
     shards = {"rank-0.pt": b"a" * 100, "rank-1.pt": b"b" * 100}
     manifest_sha = _sharded(s3, "j/step-9", shards)
     uri = f"s3://{BUCKET}/j/step-9/manifest.json"

@@ -56,7 +56,7 @@ def test_the_manifest_pins_the_node_and_tolerates_our_taint(tmp_path: Path) -> N
     assert pod["restartPolicy"] == "Never"
     assert manifest["spec"]["backoffLimit"] == 0
     (container,) = pod["containers"]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
     script = container["command"][-1]
     assert "'--nodes' 'gpu-node-7,gpu-node-7'" in script
     assert "'--resume-from'" in script
