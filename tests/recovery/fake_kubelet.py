@@ -14,6 +14,8 @@ what they do in a cluster, so a test can run a user's training job end to end:
   ``metadata.namespace``, ``metadata.annotations['…']``), and ``python`` on ``PATH`` being this
   machine's interpreter (the "image"); its output is the pod log
   (``GET /api/v1/namespaces/{ns}/pods/{pod}/log``);
+- a single-pod Job's ``MASTER_PORT`` on ``127.0.0.1`` is moved to a free port: in a cluster
+  each pod has its own loopback, here all processes share the machine's;
 - suspending a job kills its processes and deletes its pods (as the job controller and the
   training operator do); a process that exits marks its pod ``Succeeded``/``Failed`` and the job
   ``Complete``/``Succeeded`` or ``Failed`` once every pod is done.
@@ -217,6 +219,10 @@ class FakeKubelet:
         }
         for entry in container.get("env") or []:
             env[entry["name"]] = self._env_value(entry, obj)
+        if env.get("MASTER_ADDR") == "127.0.0.1" and owner[0] == "jobs":
+            # A pod has a loopback of its own; processes of this machine share one. A port
+            # fixed in the manifest would collide with any other process here, so it is moved.
+            env["MASTER_PORT"] = str(_free_port())
         argv = [*(container.get("command") or []), *(container.get("args") or [])]
         log_path = self.logs_dir / f"{ns}_{pod}.log"
         with log_path.open("wb") as out:
