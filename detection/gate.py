@@ -153,8 +153,12 @@ class CheckpointGate:
         nodes: Sequence[str] = (),
         sink: ProvenanceSink | None = None,
         job_id: str = "local",
+        uri_prefix: str | None = None,
     ) -> None:
         self.directory = Path(directory) if directory is not None else None
+        # Where the control plane reads the files (s3://… or file://… on shared storage); the
+        # recorded uri is <uri_prefix>/<file name>, else the local absolute path.
+        self.uri_prefix = uri_prefix
         self.audit_every = audit_every
         self.nodes = list(nodes)
         self.job_id = job_id
@@ -236,12 +240,16 @@ class CheckpointGate:
         )
 
     # -- writing and publishing --------------------------------------------------------------------
-    def write(self, step: int, writer: Callable[[Path], None]) -> CheckpointRecord:
+    def write(
+        self, step: int, writer: Callable[[Path], None], *, uri: str | None = None
+    ) -> CheckpointRecord:
         """Write the state after ``step`` atomically and record it.
 
         ``writer(path)`` must write the whole checkpoint to ``path`` (a temporary file in the
         same directory); the gate syncs it, hashes it and renames it into place, so a reader never
-        sees a partial file. Must be called right after the guard decided ``step`` — that is the
+        sees a partial file. ``uri``: where the control plane will read the file (the job copies
+        it there); default ``<uri_prefix>/<file name>``, or the local path without a prefix.
+        Must be called right after the guard decided ``step`` — that is the
         state whose fingerprint the record carries.
         """
         if self.directory is None:
@@ -281,7 +289,12 @@ class CheckpointGate:
             evidence = found or {}
         record = CheckpointRecord(
             step=step,
-            uri=str(final.resolve()),
+            uri=uri
+            or (
+                f"{self.uri_prefix.rstrip('/')}/{final.name}"
+                if self.uri_prefix
+                else str(final.resolve())
+            ),
             sha256=digest,
             fingerprint=self._last.fingerprint.hex(),
             status=status,

@@ -85,6 +85,7 @@ from detection.nonfinite import (
 )
 from detection.overflow import recompute_flagged
 from detection.replay import AutocastState, unwrap_ddp
+from detection.replay_mode import ReplayMode
 from detection.vote import (
     VoteVerdict,
     all_gather_rows,
@@ -312,11 +313,15 @@ class SDCGuard:
         self.optimizer = self.optimizers[0]
         self.microbatch = microbatch
         self.loss_fn = loss_fn
-        self.sender = sender
-        self.gate = gate
-        self.job_id = job_id
         self.group: dist.ProcessGroup | None = ddp.process_group
         self.rank = dist.get_rank(self.group)
+        # Replay mode (SDCGUARD_REPLAY_*, detection.replay_mode): trace, no alarms, no provenance.
+        self.replaying = ReplayMode.from_env(self.rank)
+        self.sender = sender if self.replaying is None else None
+        self.gate = gate
+        if gate is not None and self.replaying is not None:
+            gate._sink = None  # a replay records no checkpoint
+        self.job_id = job_id
         self.world_size = dist.get_world_size(self.group)
         self.params = list(self.module.parameters())
         if not self.params:
@@ -379,8 +384,8 @@ class SDCGuard:
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(opt.register_step_post_hook(self._after_optimizer_step))
-        if sender is not None and self.rank == 0:
-            sender.register_ranks(identities)
+        if self.sender is not None and self.rank == 0:
+            self.sender.register_ranks(identities)
         _log.info(
             "sdcguard started: audit every %d (%s), partner %d, nodes %s, calibrating %d audits",
             self.audit_every,
@@ -449,13 +454,25 @@ class SDCGuard:
         seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
         if self.injector is not None:
             self.injector.begin_step(step)
+        if self.replaying is not None:
+            self.replaying.begin_step(step, self.module)
         self.hook.begin_step(
-            fingerprint_gradients=current.audit and self.config.mode is AuditMode.GRADIENT,
+            fingerprint_gradients=(current.audit and self.config.mode is AuditMode.GRADIENT)
+            or self.replaying is not None,
             inject=self.injector is not None and self.injector.any_active(),
         )
         try:
             yield
             self._finish(current)
+            if self.replaying is not None and current.loss is not None:
+                outcome = self.last_outcome
+                self.replaying.after_step(
+                    step,
+                    current.loss,
+                    self.hook.gradient_fingerprint(),
+                    outcome.fingerprint.hex() if outcome is not None else "",
+                    self.group,
+                )
         finally:
             self.hook.end_step()
             if self.injector is not None:
@@ -921,5 +938,5 @@ class SDCGuard:
             )
             if self.sender is not None:
                 self.sender.send_alarm(alarm.to_webhook(self.job_id, self.rank, self.node))
-        if self.config.halt_on_alarm:
+        if self.config.halt_on_alarm and self.replaying is None:
             self.halted = True

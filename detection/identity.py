@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["DMI_ASSET_TAG", "INSTANCE_ID_ENV", "NODE_NAME_ENV", "RankIdentity"]
+__all__ = [
+    "DMI_ASSET_TAG",
+    "INSTANCE_ID_ENV",
+    "NODE_NAME_ENV",
+    "IdentityError",
+    "RankIdentity",
+    "gpu_index",
+    "strict_contract",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -32,6 +40,24 @@ INSTANCE_ID_ENV = "SDCGUARD_INSTANCE_ID"
 DMI_ASSET_TAG = Path("/sys/devices/virtual/dmi/id/board_asset_tag")
 
 _INSTANCE_ID = re.compile(r"^i-[0-9a-f]{8,17}$")
+#: ``strict``: refuse to guess (the training-job contract, docs/training-job.md); ``off``: guess.
+CONTRACT_ENV = "SDCGUARD_CONTRACT"
+
+
+class IdentityError(RuntimeError):
+    """The rank's identity cannot be known without guessing, and guessing was refused."""
+
+
+def strict_contract(env: Mapping[str, str]) -> bool:
+    """Whether the training-job contract is enforced: ``SDCGUARD_CONTRACT=strict``, or inside a
+    Kubernetes pod (``KUBERNETES_SERVICE_HOST`` set) unless ``SDCGUARD_CONTRACT=off``. Inside a
+    pod the host name is the *pod* name, which no node is called: guessing it makes cordon 404."""
+    value = env.get(CONTRACT_ENV, "").strip().lower()
+    if value in ("strict", "real", "1", "true"):
+        return True
+    if value in ("off", "0", "false"):
+        return False
+    return bool(env.get("KUBERNETES_SERVICE_HOST"))
 
 
 @dataclass(frozen=True)
@@ -76,15 +102,33 @@ class RankIdentity:
     ) -> RankIdentity:
         """Detect this process's identity.
 
-        ``node``: the argument, else ``$NODE_NAME`` (Kubernetes downward API), else the host
-        name. ``instance_id``: ``$SDCGUARD_INSTANCE_ID``, else the DMI asset tag when it holds
-        an ``i-…`` id, else None. ``gpu_uuid``: CUDA device ``local_rank``'s UUID
+        ``node``: the argument, else ``$NODE_NAME`` (Kubernetes downward API), else — only
+        outside the training-job contract (:func:`strict_contract`) — the host name, with a
+        warning; under the contract a missing ``NODE_NAME`` raises :class:`IdentityError`.
+        ``instance_id``: ``$SDCGUARD_INSTANCE_ID``, else the DMI asset tag when it holds
+        an ``i-…`` id, else None. ``gpu_uuid``: the UUID of the CUDA device this process uses
+        (:func:`gpu_index`: right under a per-process ``CUDA_VISIBLE_DEVICES`` too)
         (``GPU-…``, as ``nvidia-smi`` prints it) when CUDA is available, else None. ``env``
         defaults to ``os.environ``; ``dmi_asset_tag`` is the file to read (tests point it
         elsewhere).
         """
         environ: Mapping[str, str] = os.environ if env is None else env
-        resolved_node = node or environ.get(NODE_NAME_ENV) or socket.gethostname()
+        resolved_node = node or environ.get(NODE_NAME_ENV)
+        if not resolved_node:
+            if strict_contract(environ):
+                raise IdentityError(
+                    f"{NODE_NAME_ENV} is not set: inject it with the downward API "
+                    "(env: {name: NODE_NAME, valueFrom: {fieldRef: {fieldPath: spec.nodeName}}}); "
+                    "the host name of a pod names no node (docs/training-job.md)"
+                )
+            resolved_node = socket.gethostname()
+            _log.warning(
+                "%s is not set: using the host name %r as the node name; cordon and replace "
+                "will fail if no node is called that",
+                NODE_NAME_ENV,
+                resolved_node,
+                extra={"rank": rank},
+            )
         instance_id = environ.get(INSTANCE_ID_ENV) or _instance_from_dmi(Path(dmi_asset_tag))
         return cls(
             rank=rank,
@@ -106,11 +150,29 @@ def _instance_from_dmi(path: Path) -> str | None:
     return tag if _INSTANCE_ID.match(tag) else None
 
 
+def gpu_index(local_rank: int, visible_count: int, current: int | None) -> int | None:
+    """The CUDA device index this rank computes on.
+
+    Under a per-process ``CUDA_VISIBLE_DEVICES`` (one GPU each, as many launchers set it) every
+    rank sees exactly one device, index 0, whatever its ``local_rank``; with all GPUs visible
+    the rank's device is the one it selected (``torch.cuda.current_device()`` after
+    ``set_device``), and ``local_rank`` only when it selected none. None: no device of its own.
+    """
+    if visible_count <= 0:
+        return None
+    if visible_count == 1:
+        return 0
+    if current is not None and current != 0:
+        return current
+    return local_rank if local_rank < visible_count else None
+
+
 def _gpu_uuid(rank: int, local_rank: int) -> str | None:
     if not torch.cuda.is_available():
         return None
     count = torch.cuda.device_count()
-    if local_rank >= count:
+    index = gpu_index(local_rank, count, torch.cuda.current_device())
+    if index is None:
         _log.warning(
             "local_rank %d has no CUDA device of its own (%d visible): no GPU UUID registered",
             local_rank,
@@ -118,6 +180,6 @@ def _gpu_uuid(rank: int, local_rank: int) -> str | None:
             extra={"rank": rank},
         )
         return None
-    uuid = torch.cuda.get_device_properties(local_rank).uuid
+    uuid = torch.cuda.get_device_properties(index).uuid
     text = str(uuid)
     return text if text.startswith("GPU-") else f"GPU-{text}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -70,13 +69,12 @@ def serve(
     configured through its environment alone.
     """
     from db import SchemaNotReady
+    from flows.logs import configure_logging
     from flows.serve import serve as run_webhook
     from flows.settings import SettingsError, WebhookSettings, load_settings
     from flows.webhook.auth import AuthConfigError
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging()  # SDCGUARD_LOG_FORMAT=json in the container: JSON lines with context
     try:
         settings = load_settings(WebhookSettings)
         run_webhook(

@@ -15,6 +15,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from recovery.telemetry import DEFAULT_DIAG_IMAGE
+
 __all__ = [
     "AwsSettings",
     "BackendMode",
@@ -71,7 +73,10 @@ class RecoverySettings(BaseSettings):
         default=None,
         min_length=3,
         max_length=63,
-        description="Real mode: S3 bucket of the checkpoints.",
+        description=(
+            "Real mode: default S3 bucket of checkpoints sdcguard writes itself; checkpoints "
+            "are read wherever their recorded s3:// or file:// URI points."
+        ),
     )
     replay_timeout_s: float = Field(
         default=600.0,
@@ -139,8 +144,8 @@ class KubeSettings(BaseSettings):
         default=None,
         max_length=512,
         description=(
-            "The training image replays run in (the job's own image: a replay is evidence only "
-            "when the code and libraries are the job's). Unset: no replay, verdict inconclusive."
+            "Image for replays of the built-in harness only; a user's job is replayed from "
+            "its own template (image, command, env, volumes), read from the cluster."
         ),
     )
     replay_namespace: str = Field(
@@ -154,6 +159,51 @@ class KubeSettings(BaseSettings):
         max_length=64,
         description="Spare nodes the diagnostic replay may run on (JSON list of node names).",
     )
+    stop_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description="Longest a stop waits for the job's pods to be gone before it fails.",
+    )
+    telemetry_namespace: str = Field(
+        default="sdcguard",
+        min_length=1,
+        max_length=63,
+        description=(
+            "sdcguard's own namespace, where the privileged diagnostic pod runs (its Pod "
+            "Security level must admit it; the training namespace's need not)."
+        ),
+    )
+    telemetry_service_account: str = Field(
+        default="sdcguard-telemetry",
+        min_length=1,
+        max_length=253,
+        description="Service account of the diagnostic pod (no token is mounted).",
+    )
+    telemetry_image: str = Field(
+        default=DEFAULT_DIAG_IMAGE,
+        min_length=1,
+        max_length=512,
+        description="Image of the diagnostic pod (dcgmi, nvidia-smi, dmesg).",
+    )
+    telemetry_runtime_class: str | None = Field(
+        default="nvidia",
+        max_length=253,
+        description="runtimeClassName of the diagnostic pod; empty: the cluster default.",
+    )
+    exporter_namespace: str = Field(
+        default="gpu-operator",
+        min_length=1,
+        max_length=63,
+        description="Namespace of the dcgm-exporter pods.",
+    )
+    exporter_selector: str = Field(
+        default="app=nvidia-dcgm-exporter",
+        min_length=1,
+        max_length=512,
+        description="Label selector of the dcgm-exporter pods.",
+    )
+    exporter_port: int = Field(default=9400, ge=1, le=65535, description="dcgm-exporter port.")
 
 
 class FlowSettings(BaseSettings):

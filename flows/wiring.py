@@ -32,20 +32,28 @@ from flows.recovery_settings import (
     RecoverySettings,
 )
 from flows.settings import DatabaseSettings
+from recovery.checkpoint_uris import UriCheckpointStore
 from recovery.checkpoints import CheckpointStore, FileCheckpointStore, S3CheckpointStore
 from recovery.cluster import LocalCluster
 from recovery.errors import NotFoundError, PermanentError, TemporaryError
 from recovery.hyperpod import HYPERPOD_NODE_PREFIX, HyperPod
-from recovery.jobs import JobControl, JobKind, JobRef, LocalJobControl, PyTorchJobControl
+from recovery.jobs import (
+    FoundJob,
+    JobControl,
+    JobKind,
+    JobRef,
+    KubeJobFinder,
+    KubeJobs,
+    LocalJobControl,
+)
 from recovery.kube import make_api_client
 from recovery.nodes import KubeNodeOps, LocalNodeOps, NodeOps
 from recovery.replay import (
     JobSpec,
     LocalReplayRunner,
-    ReplayRequest,
-    ReplayResult,
     ReplayRunner,
     StepRecord,
+    UserJobTemplate,
     load_trace,
 )
 from recovery.replay_kube import KubeReplayRunner
@@ -59,6 +67,7 @@ from recovery.telemetry import (
 __all__ = [
     "Backends",
     "JobCatalog",
+    "KubeJobCatalog",
     "KubeNodeDirectory",
     "LocalJobCatalog",
     "LocalNodeDirectory",
@@ -191,7 +200,7 @@ class LocalJobCatalog:
 
 
 class StaticJobCatalog:
-    """Fixed plans by job id (real mode until job specs come from the cluster; tests)."""
+    """Fixed plans by job id (tests; real mode reads them from the cluster, KubeJobCatalog)."""
 
     def __init__(
         self, plans: dict[str, ReplayPlan] | None = None, *, namespace: str = "default"
@@ -209,6 +218,54 @@ class StaticJobCatalog:
             raise PermanentError(
                 "replay", "plan", f"job/{job_id}", "how this job computes is not known here"
             ) from err
+
+
+class KubeJobCatalog:
+    """Real mode: the job is the one object labelled ``sdcguard.io/job-id=<job id>`` in the
+    training namespace (:class:`~recovery.jobs.KubeJobFinder`; none or several is a
+    :class:`PermanentError` that goes to a human), and how it computes is its own pod template,
+    read from the cluster at the moment of the replay."""
+
+    def __init__(self, finder: KubeJobFinder) -> None:
+        self._finder = finder
+
+    def find(self, job_id: str) -> FoundJob:
+        return self._finder.find(job_id)
+
+    def ref(self, job_id: str) -> JobRef:
+        return self._finder.find(job_id).ref
+
+    def replay_plan(self, job_id: str) -> ReplayPlan:
+        found = self._finder.find(job_id)
+        templates = found.pod_templates()
+        if not templates:
+            raise PermanentError("replay", "plan", str(found.ref), "the job has no pod template")
+        # The first replica (PyTorchJob Master) holds the command every rank runs.
+        first = "Master" if "Master" in templates else sorted(templates)[0]
+        _, template = templates[first]
+        return ReplayPlan(
+            spec=JobSpec(
+                world_size=1,
+                seed=0,
+                template=UserJobTemplate(
+                    job_name=found.ref.name,
+                    namespace=found.ref.namespace,
+                    pod_template=template,
+                    gpus=_gpus_of(template),
+                ),
+            ),
+            reference=None,
+        )
+
+
+def _gpus_of(template: Any) -> int:
+    """The ``nvidia.com/gpu`` limit of the pod template's first container (0 without)."""
+    containers = (template.get("spec") or {}).get("containers") or [{}]
+    limits = (containers[0].get("resources") or {}).get("limits") or {}
+    try:
+        return int(limits.get("nvidia.com/gpu") or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def plan_from_harness_args(args: Sequence[str]) -> ReplayPlan:
@@ -302,33 +359,49 @@ def build_backends(
                 f"local: cluster {recovery.cluster_state_path()}, AWS mocked at {aws.endpoint_url}"
             ),
         )
-    if not recovery.checkpoint_bucket:
-        raise PermanentError(
-            "wiring", "build", "real backends", "SDCGUARD_RECOVERY_CHECKPOINT_BUCKET is not set"
-        )
     api_client = make_api_client(context=kube.context)
     nodes = KubeNodeOps(api_client)
+    bucket = recovery.checkpoint_bucket
+
+    def s3_store() -> S3CheckpointStore:
+        return S3CheckpointStore.from_settings(
+            bucket or "unset",
+            region=aws.region,
+            endpoint_url=aws.endpoint_url,
+            session=aws_session,
+        )
+
     return Backends(
         ledger=ledger,
         nodes=nodes,
-        jobs=PyTorchJobControl(api_client),
-        telemetry=KubeTelemetry(api_client, namespace=kube.namespace),
-        replay=(
-            KubeReplayRunner(api_client, image=kube.replay_image, namespace=kube.replay_namespace)
-            if kube.replay_image
-            else _NoReplayRunner()
+        jobs=KubeJobs(api_client, stop_timeout_s=kube.stop_timeout_s),
+        telemetry=KubeTelemetry(
+            api_client,
+            namespace=kube.telemetry_namespace,
+            exporter_namespace=kube.exporter_namespace,
+            exporter_label_selector=kube.exporter_selector,
+            exporter_port=kube.exporter_port,
+            diag_image=kube.telemetry_image,
+            service_account=kube.telemetry_service_account,
+            runtime_class_name=kube.telemetry_runtime_class or None,
+        ),
+        replay=KubeReplayRunner(
+            api_client,
+            image=kube.replay_image,
+            namespace=kube.replay_namespace,
+            timeout_s=recovery.replay_timeout_s,
         ),
         hyperpod=HyperPod.from_settings(
             aws.hyperpod_cluster, aws.region, aws.endpoint_url, session=aws_session
         ),
-        checkpoints=S3CheckpointStore.from_settings(
-            recovery.checkpoint_bucket,
-            region=aws.region,
-            endpoint_url=aws.endpoint_url,
-            session=aws_session,
+        # Checkpoints are read where their recorded URI points: s3:// or file:// (shared FS).
+        checkpoints=UriCheckpointStore(
+            FileCheckpointStore(recovery.checkpoint_root_path()),
+            s3_store,
+            default="s3" if bucket else "file",
         ),
         directory=KubeNodeDirectory(nodes, kube.spare_nodes),
-        catalog=StaticJobCatalog(namespace=kube.namespace),
+        catalog=KubeJobCatalog(KubeJobFinder(api_client, kube.namespace)),
         description=f"real: Kubernetes, HyperPod cluster {aws.hyperpod_cluster} ({aws.region})",
     )
 
@@ -341,15 +414,6 @@ def _database_url(recovery: RecoverySettings) -> str:
         secret = Secret.load(recovery.database_secret_block)
         return str(secret.get())  # type: ignore[union-attr]
     return DatabaseSettings().url
-
-
-class _NoReplayRunner:
-    """No image to replay in: the verdict says so (inconclusive) and names no node."""
-
-    def replay(self, request: ReplayRequest) -> ReplayResult:
-        raise PermanentError(
-            "replay", "run", request.node, "no replay image configured (SDCGUARD_KUBE_REPLAY_IMAGE)"
-        )
 
 
 _slot_lock = threading.Lock()

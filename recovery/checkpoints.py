@@ -19,6 +19,8 @@ own root or prefix, so checkpoints written by the harness are verified where the
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import logging
 import os
@@ -451,6 +453,35 @@ class S3CheckpointStore:
                 extra={"uri": uri, "expected": sha256, "actual": actual},
             )
         return actual == sha256
+
+    def s3_sha256(self, uri: str) -> str | None:
+        """The object's sha256 from S3's own checksum (``ChecksumSHA256``, which S3 computed and
+        validated on upload), hex; None when the object has none or only a multipart composite
+        (``…-N``), so the caller must re-read the bytes. No object data is transferred."""
+        bucket, key = self._split(uri)
+        try:
+            head = self._s3.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        except (ClientError, BotoCoreError) as err:
+            raise _s3_error(err, "head", uri) from err
+        checksum = head.get("ChecksumSHA256")
+        if not checksum or "-" in str(checksum) or head.get("ChecksumType") == "COMPOSITE":
+            return None
+        try:
+            return base64.b64decode(str(checksum), validate=True).hex()
+        except (binascii.Error, ValueError):
+            return None
+
+    def read_small(self, uri: str, limit: int = 4 * _MIB) -> bytes:
+        """The whole object (a manifest), refused above ``limit`` bytes."""
+        bucket, key = self._split(uri)
+        try:
+            obj = self._s3.get_object(Bucket=bucket, Key=key)
+            if int(obj.get("ContentLength") or 0) > limit:
+                raise PermanentError("s3", "read", uri, f"larger than {limit} bytes")
+            data: bytes = obj["Body"].read()
+        except (ClientError, BotoCoreError) as err:
+            raise _s3_error(err, "read", uri) from err
+        return data
 
     def fetch(self, uri: str, dest: Path) -> Path:
         bucket, key = self._split(uri)

@@ -133,7 +133,8 @@ def make_api_client(
         return api_client_for_host(host, token=token, ca_cert=ca_cert, verify_ssl=verify_ssl)
     if kubeconfig is None and env.get("KUBERNETES_SERVICE_HOST"):
         return api_client_in_cluster()
-    return api_client_from_kubeconfig(kubeconfig, context)
+    # $KUBECONFIG as it is now: the client library reads it once, at its import.
+    return api_client_from_kubeconfig(kubeconfig or env.get("KUBECONFIG") or None, context)
 
 
 def status_message(err: ApiException) -> str:

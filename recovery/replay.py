@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -40,6 +40,7 @@ __all__ = [
     "ReplayResult",
     "ReplayRunner",
     "StepRecord",
+    "UserJobTemplate",
     "Verdict",
     "VerdictResult",
     "diagnose",
@@ -86,14 +87,31 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class UserJobTemplate:
+    """The user's own job, as read from the cluster: a replay runs *this* (its image, command,
+    env and volumes), pinned to one node, with the guard told to trace (detection.replay_mode).
+
+    ``pod_template`` is the pod template of the job's first replica (PyTorchJob ``Master``, or
+    the batch/v1 Job's template); ``namespace`` is the job's, where its volumes and secrets are.
+    """
+
+    job_name: str
+    namespace: str
+    pod_template: Mapping[str, Any] = field(repr=False)
+    gpus: int = 0
+
+
+@dataclass(frozen=True)
 class JobSpec:
-    """What it takes to recompute a job's steps: the harness options that shape the computation."""
+    """What it takes to recompute a job's steps: the harness options that shape the computation,
+    or (``template``) the user's own job to run in replay mode."""
 
     world_size: int
     seed: int
     threads: int = 1
     audit_mode: str = "loss"
     inject: tuple[str, ...] = ()
+    template: UserJobTemplate | None = field(default=None, compare=False)
 
     def persistent_faults(self) -> tuple[str, ...]:
         """Only node-bound faults follow a replay; a transient fault does not recur."""

@@ -26,7 +26,7 @@ from typing import Annotated, Any, TypeVar
 
 import anyio
 import anyio.to_thread
-from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -44,6 +44,7 @@ from db import (
     UnknownIncident,
     UnknownJob,
 )
+from flows.metrics import install_metrics, ledger_ping
 from flows.trigger import IncidentTrigger, TriggerDispatcher
 from flows.webhook.auth import Credentials, Principal
 from flows.webhook.batcher import DEFAULT_ALARM_BATCH, AlarmBatcher, AlarmQueue
@@ -441,9 +442,19 @@ def create_app(
             raise UnknownIncident(incident_id)  # not 403: do not confirm that it exists
         return incident.to_dict()
 
-    @app.get("/healthz", summary="Liveness, and incidents whose flow is not started yet.")
-    async def healthz() -> dict[str, Any]:
+    install_metrics(app, ledger, dispatcher.backlog)
+
+    @app.get("/healthz", summary="The ledger answers; and incidents whose flow is not started yet.")
+    async def healthz(response: Response) -> dict[str, Any]:
         backlog = dispatcher.backlog()
+        try:
+            await in_thread(ledger_ping, ledger)
+        except Exception as err:  # any failure to reach the ledger means "not healthy"
+            response.status_code = 503
+            logger.error(
+                "healthz: ledger unreachable: %s", err, extra={"error": type(err).__name__}
+            )
+            return {"status": "ledger-unavailable", "error": type(err).__name__}
         return {
             "status": "ok",
             "trigger_backlog": [

@@ -11,7 +11,9 @@ Every operation is idempotent, because a retried or re-run incident flow calls i
 - :class:`LocalJobControl` (:mod:`~recovery.jobs.local`) — local ``sdcguard train`` process
   groups (:mod:`~recovery.jobs.process_group`), resumed with :func:`resume_args`.
 
-The two Kubernetes backends share :mod:`~recovery.jobs.kube_common`.
+The two Kubernetes backends share :mod:`~recovery.jobs.kube_common`; in real mode
+:class:`KubeJobs` (:mod:`~recovery.jobs.finder`) dispatches between them, and
+:class:`KubeJobFinder` finds the job by its ``sdcguard.io/job-id`` label.
 """
 
 from recovery.jobs.base import (
@@ -30,6 +32,15 @@ from recovery.jobs.base import (
     StopResult,
 )
 from recovery.jobs.batchjob import BatchJobControl
+from recovery.jobs.finder import (
+    JOB_ID_LABEL,
+    AmbiguousJobError,
+    FoundJob,
+    JobNotFoundError,
+    KubeJobFinder,
+    KubeJobs,
+    UnsupportedJobKind,
+)
 from recovery.jobs.local import LocalJobControl
 from recovery.jobs.pytorchjob import PyTorchJobControl
 from recovery.jobs.train_args import resume_args
@@ -38,18 +49,25 @@ __all__ = [
     "ANNOTATION_RESUME_FROM",
     "ANNOTATION_RESUME_NODES",
     "ANNOTATION_RESUME_STEP",
+    "JOB_ID_LABEL",
     "RESUME_ENV",
     "RESUME_ENV_FROM_ANNOTATION",
+    "AmbiguousJobError",
     "BatchJobControl",
+    "FoundJob",
     "JobControl",
     "JobKind",
+    "JobNotFoundError",
     "JobRef",
     "JobStatus",
+    "KubeJobFinder",
+    "KubeJobs",
     "LocalJobControl",
     "PyTorchJobControl",
     "ResumeOutcome",
     "ResumeResult",
     "StopOutcome",
     "StopResult",
+    "UnsupportedJobKind",
     "resume_args",
 ]

@@ -40,11 +40,12 @@ class BatchJobControl(KubeJobControl):
     """:class:`JobControl` for a ``batch/v1`` Job (see the module docstring for why the
     checkpoint reaches the container through a pod-template annotation).
 
-    Needs RBAC ``get``/``patch`` on ``jobs`` and ``patch`` on ``jobs/status``.
+    Needs RBAC ``get``/``patch`` on ``jobs``, ``patch`` on ``jobs/status``, ``list`` on ``pods``.
     """
 
     _kind = JobKind.BATCH_JOB
     _label = "job"
+    _pod_label = "batch.kubernetes.io/job-name"
 
     def _read(self, job: JobRef) -> dict[str, Any]:
         raw = self._batch.read_namespaced_job(job.name, job.namespace)

@@ -17,7 +17,7 @@ from typing import Any
 from kubernetes import client as k8s
 
 from recovery import kube
-from recovery.errors import PermanentError
+from recovery.errors import PermanentError, TemporaryError
 from recovery.jobs.base import (
     ANNOTATION_RESUME_FROM,
     ANNOTATION_RESUME_NODES,
@@ -43,6 +43,7 @@ class KubeJobControl(abc.ABC):
 
     _kind: JobKind
     _label: str  # "pytorchjob" / "job", for error targets
+    _pod_label: str  # the label its controller puts on the job's pods, value: the job's name
 
     def __init__(
         self,
@@ -51,8 +52,15 @@ class KubeJobControl(abc.ABC):
         conflict_retries: int = 5,
         conflict_backoff_s: float = 0.05,
         sleep: Callable[[float], None] = time.sleep,
+        stop_timeout_s: float = 300.0,
+        stop_poll_s: float = 2.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._api_client = api_client
+        self._stop_timeout_s = stop_timeout_s
+        self._stop_poll_s = stop_poll_s
+        self._clock = clock
+        self._core = k8s.CoreV1Api(api_client)
         self._conflict_retries = conflict_retries
         self._conflict_backoff_s = conflict_backoff_s
         self._sleep = sleep
@@ -110,9 +118,48 @@ class KubeJobControl(abc.ABC):
             self._patch(job, body)
             return StopResult(job, StopOutcome.STOPPED)
 
-        result = self._retry("stop", job, attempt)
+        result: StopResult = self._retry("stop", job, attempt)
+        if result.outcome is not StopOutcome.NOT_RUNNING:
+            self._wait_pods_gone(job)
         log.info("stop %s: %s", self._target(job), result.outcome, extra={"job": str(job)})
         return result
+
+    def live_pods(self, job: JobRef) -> list[str]:
+        """Names of the job's pods that may still compute: not finished, or being deleted."""
+        pods = kube.call(
+            "list-pods",
+            self._target(job),
+            lambda: self._core.list_namespaced_pod(
+                job.namespace, label_selector=f"{self._pod_label}={job.name}"
+            ),
+        )
+        live = []
+        for pod in pods.items:
+            phase = pod.status.phase if pod.status is not None else None
+            meta = pod.metadata
+            if meta is None:
+                continue
+            if phase not in ("Succeeded", "Failed") or meta.deletion_timestamp:
+                live.append(str(meta.name))
+        return live
+
+    def _wait_pods_gone(self, job: JobRef) -> None:
+        """A stop is done when no pod of the job can still write: the controller deletes them
+        after the suspend, and until it has, the corrupting computation may go on."""
+        deadline = self._clock() + self._stop_timeout_s
+        while True:
+            live = self.live_pods(job)
+            if not live:
+                return
+            if self._clock() >= deadline:
+                raise TemporaryError(
+                    kube.SYSTEM,
+                    "stop",
+                    self._target(job),
+                    f"suspended, but pod(s) {', '.join(sorted(live))} still exist after "
+                    f"{self._stop_timeout_s:g} s",
+                )
+            self._sleep(self._stop_poll_s)
 
     def resume(
         self, job: JobRef, checkpoint_uri: str, step: int, nodes: list[str] | None

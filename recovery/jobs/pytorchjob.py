@@ -26,7 +26,7 @@ from recovery.jobs.kube_common import (
 class PyTorchJobControl(KubeJobControl):
     """:class:`JobControl` for Kubeflow ``PyTorchJob`` (kubeflow.org/v1, ``pytorchjobs``).
 
-    Needs RBAC ``get``/``patch`` on ``pytorchjobs.kubeflow.org``. Stop sets
+    Needs RBAC ``get``/``patch`` on ``pytorchjobs.kubeflow.org`` and ``list`` on ``pods``. Stop sets
     ``spec.runPolicy.suspend: true`` (the operator deletes the pods); resume writes the
     checkpoint into every replica container's ``SDCGUARD_RESUME_FROM``, the job annotations and,
     given ``nodes``, a ``kubernetes.io/hostname In nodes`` node-affinity term, then unsuspends.
@@ -34,6 +34,7 @@ class PyTorchJobControl(KubeJobControl):
 
     _kind = JobKind.PYTORCHJOB
     _label = "pytorchjob"
+    _pod_label = "training.kubeflow.org/job-name"
     GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 
     def _read(self, job: JobRef) -> dict[str, Any]:

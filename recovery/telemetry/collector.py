@@ -225,9 +225,11 @@ class KubeTelemetry:
         api_client: k8s.ApiClient,
         *,
         namespace: str,
+        exporter_namespace: str | None = None,
         exporter_label_selector: str = "app=nvidia-dcgm-exporter",
         exporter_port: int = 9400,
         diag_image: str = DEFAULT_DIAG_IMAGE,
+        service_account: str | None = None,
         http: httpx.Client | None = None,
         runtime_class_name: str | None = "nvidia",
         scrape_timeout_s: float = 10.0,
@@ -236,7 +238,12 @@ class KubeTelemetry:
         clock: Callable[[], dt.datetime] = _utcnow,
     ) -> None:
         self._core = k8s.CoreV1Api(api_client)
+        # The diagnostic pod runs in sdcguard's own namespace (whose Pod Security level admits a
+        # privileged, hostPID pod), never in the training namespace; the exporter lives where
+        # the GPU operator put it.
         self._namespace = namespace
+        self._exporter_namespace = exporter_namespace or namespace
+        self._service_account = service_account
         self._selector = exporter_label_selector
         self._port = exporter_port
         self._image = diag_image
@@ -258,10 +265,10 @@ class KubeTelemetry:
 
     def exporter_url(self, node: str) -> str:
         """``/metrics`` URL of the running dcgm-exporter pod on ``node``."""
-        target = f"{self._namespace}/pods[{self._selector}] on {node}"
+        target = f"{self._exporter_namespace}/pods[{self._selector}] on {node}"
         try:
             pods = self._core.list_namespaced_pod(
-                self._namespace,
+                self._exporter_namespace,
                 label_selector=self._selector,
                 field_selector=f"spec.nodeName={node}",
             )
@@ -358,6 +365,9 @@ class KubeTelemetry:
         }
         if self._runtime_class_name:
             spec["runtimeClassName"] = self._runtime_class_name
+        if self._service_account:
+            spec["serviceAccountName"] = self._service_account
+            spec["automountServiceAccountToken"] = False
         return {
             "apiVersion": "v1",
             "kind": "Pod",

@@ -209,6 +209,7 @@ class FakeKube:
         self._eviction_blocks: dict[tuple[str, str], tuple[int | None, str]] = {}
         self._requests: list[RecordedRequest] = []
         self._tokens: dict[str, tuple[str, tuple[str, ...]]] = {}
+        self._watchers: list[Callable[[str, str, JSON | None, JSON | None], None]] = []
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.register("/api/v1", "nodes", "Node", namespaced=False)
@@ -335,6 +336,32 @@ class FakeKube:
         before the built-in routes: for endpoints this fake does not model (exec, logs, …)."""
         with self._lock:
             self._routes.append(_Route(method.upper(), re.compile(path_regex), handler))
+
+    def watch(self, fn: Callable[[str, str, JSON | None, JSON | None], None]) -> None:
+        """Call ``fn(verb, plural, old, new)`` after every create/update/delete through the API
+        (verb ``create``/``update``/``delete``), under the server lock: a controller's reaction
+        (see ``tests/recovery/fake_kubelet.py``) happens before the client hears the answer."""
+        with self._lock:
+            self._watchers.append(fn)
+
+    def _notify(self, verb: str, plural: str, old: JSON | None, new: JSON | None) -> None:
+        for fn in list(self._watchers):
+            fn(verb, plural, copy.deepcopy(old), copy.deepcopy(new))
+
+    def delete_object(self, prefix: str, plural: str, name: str, namespace: str = "") -> None:
+        """Remove a stored object as a controller would (no watcher is told)."""
+        resource = self._resource(prefix, plural)
+        with self._lock:
+            self._objects.pop((self._key(resource), namespace, name), None)
+
+    def list_objects(self, prefix: str, plural: str, namespace: str = "") -> list[JSON]:
+        resource = self._resource(prefix, plural)
+        with self._lock:
+            return [
+                copy.deepcopy(o)
+                for (key, ns, _), o in sorted(self._objects.items())
+                if key == self._key(resource) and (not namespace or ns == namespace)
+            ]
 
     @property
     def requests(self) -> list[RecordedRequest]:
@@ -623,9 +650,9 @@ class FakeKube:
             if method == "GET":
                 return FakeResponse(200, self._list(resource, namespace, request.query))
             if method == "POST":
-                return FakeResponse(
-                    201, copy.deepcopy(self._create(resource, namespace, request.body))
-                )
+                created = copy.deepcopy(self._create(resource, namespace, request.body))
+                self._notify("create", resource.plural, None, created)
+                return FakeResponse(201, created)
             raise _ApiError(405, f"method {method} not allowed on a collection")
         if sub == "eviction" and resource.plural == "pods" and method == "POST":
             return self._evict(namespace, name)
@@ -646,6 +673,7 @@ class FakeKube:
         assert current is not None
         if method == "DELETE":
             del self._objects[key]
+            self._notify("delete", resource.plural, current, None)
             return FakeResponse(200, copy.deepcopy(current))
         if method == "PATCH":
             updated = self._patched(resource, current, request)
@@ -663,7 +691,10 @@ class FakeKube:
             updated["status"] = copy.deepcopy(current.get("status", {}))
         self._validate_update(resource, name, current, updated)
         self._react(resource, current, updated)
-        return FakeResponse(200, copy.deepcopy(self._store(resource, namespace, name, updated)))
+        old = copy.deepcopy(current)
+        stored = copy.deepcopy(self._store(resource, namespace, name, updated))
+        self._notify("update", resource.plural, old, stored)
+        return FakeResponse(200, stored)
 
     # -- behaviour ---------------------------------------------------------------------
 

@@ -56,7 +56,7 @@ def test_the_manifest_pins_the_node_and_tolerates_our_taint(tmp_path: Path) -> N
     assert pod["restartPolicy"] == "Never"
     assert manifest["spec"]["backoffLimit"] == 0
     (container,) = pod["containers"]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "8"}}
     script = container["command"][-1]
     assert "'--nodes' 'gpu-node-7,gpu-node-7'" in script
     assert "'--resume-from'" in script
@@ -98,7 +98,7 @@ class _Kubelet:
             pod,
             namespace=NS,
             node=job["spec"]["template"]["spec"]["nodeName"],
-            labels={"job-name": name},
+            labels={"job-name": name, "batch.kubernetes.io/job-name": name},
             owner_kind="Job",
             owner_name=name,
             phase="Succeeded" if done.returncode == 0 else "Failed",
@@ -145,3 +145,51 @@ def test_a_replay_job_runs_on_the_node_and_its_trace_comes_back(
     assert [r.step for r in result.steps] == [3, 4, 5]
     reference = {r.step: r for r in load_trace(root / "trace.jsonl")}
     assert all(r.same_as(reference[r.step]) for r in result.steps)
+
+
+def test_a_replay_rerun_after_a_crash_gets_a_job_of_its_own(
+    tmp_path: Path, fake_kube: FakeKube, kube_client: k8s.ApiClient
+) -> None:
+    """The user's template replays under a fresh name per attempt: a crashed attempt's Job is
+    left for the operator and the re-run meets no 409; a finished one is reused, not re-run."""
+    from recovery.replay import UserJobTemplate
+    from tests.recovery.fake_kubelet import FakeKubelet
+
+    healthy = tmp_path / "healthy"
+    line = '{"step": 3, "losses": [1.0], "grad_fingerprints": [], "weight_fingerprint": "00"}'
+    script = (
+        "import os, pathlib, sys\n"
+        f"if not pathlib.Path({str(healthy)!r}).exists(): sys.exit('node crashed')\n"
+        f"print({TRACE_BEGIN!r}); print({line!r}); print({END!r})\n"
+        "assert os.environ['SDCGUARD_RESUME_FROM'] and os.environ['SDCGUARD_REPLAY_END'] == '3'\n"
+    )
+    template = {"spec": {"containers": [{"name": "pytorch", "image": "u:1",
+                                         "command": ["python", "-c", script]}]}}  # fmt: skip
+    request = ReplayRequest(
+        job_id="job-k", checkpoint_uri="s3://b/ckpt-000002.pt", checkpoint_step=2, end=3,
+        node="gpu-node-7",
+        spec=JobSpec(world_size=1, seed=0, template=UserJobTemplate("job-k", "training",
+                                                                    template, gpus=1)),
+    )  # fmt: skip
+    kubelet = FakeKubelet(fake_kube, tmp_path).start()
+    try:
+        runner = KubeReplayRunner(kube_client, poll_interval_s=0.01)
+        with pytest.raises(PermanentError, match="failed"):
+            runner.replay(request)  # the first attempt crashes
+        healthy.touch()
+        result = runner.replay(request)  # the re-run: a new Job, no 409
+        assert [s.step for s in result.steps] == [3]
+        again = runner.replay(request)  # finished already: read back, not run again
+        assert again.steps == result.steps
+    finally:
+        kubelet.stop()
+    creates = fake_kube.requests_to("POST", r"/apis/batch/v1/namespaces/training/jobs$")
+    names = [r.body["metadata"]["name"] for r in creates]
+    assert len(names) == 2
+    assert len(set(names)) == 2
+    # Both creates were answered 201 (a 409 raises in the runner): distinct names, no collision.
+    (pod,) = {p["spec"]["nodeName"] for p in kubelet.launched}
+    assert pod == "gpu-node-7"
+    assert kubelet.launched[-1]["spec"]["containers"][0]["resources"]["limits"] == {
+        "nvidia.com/gpu": "1"
+    }
