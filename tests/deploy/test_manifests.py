@@ -16,7 +16,19 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.30"
-MANIFESTS = sorted(p for p in (DEPLOY / "k8s").rglob("*.yaml") if p.name != "kustomization.yaml")
+KUSTOMIZATIONS = sorted((DEPLOY / "k8s").rglob("kustomization.yaml"))
+# A kustomize patch is a fragment, not an object: it is validated merged onto its target.
+PATCHES = sorted(
+    (k.parent / patch["path"]).resolve()
+    for k in KUSTOMIZATIONS
+    for patch in (yaml.safe_load(k.read_text()) or {}).get("patches", [])
+    if "path" in patch
+)
+MANIFESTS = sorted(
+    p
+    for p in (DEPLOY / "k8s").rglob("*.yaml")
+    if p.name != "kustomization.yaml" and p.resolve() not in PATCHES
+)
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -33,6 +45,39 @@ def test_every_manifest_is_valid_kubernetes(path: Path) -> None:
     assert docs
     for doc in docs:
         _validate(doc)
+
+
+def _strategic_merge(base: Any, patch: Any) -> Any:
+    """Kubernetes' strategic merge for what our patches use: maps merge key by key, lists of
+    named items (containers, env, volumes, mounts) merge by ``name``, anything else replaces."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            merged[key] = _strategic_merge(base[key], value) if key in base else value
+        return merged
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and all(isinstance(i, dict) and "name" in i for i in [*base, *patch])
+    ):
+        by_name = {item["name"]: item for item in base}
+        for item in patch:
+            by_name[item["name"]] = _strategic_merge(by_name.get(item["name"], {}), item)
+        return list(by_name.values())
+    return patch
+
+
+@pytest.mark.parametrize("path", PATCHES, ids=lambda p: str(p.relative_to(DEPLOY.resolve())))
+def test_every_patch_gives_a_valid_object_on_its_target(path: Path) -> None:
+    (patch,) = _docs(path)
+    targets = [
+        doc
+        for manifest in MANIFESTS
+        for doc in _docs(manifest)
+        if (doc["kind"], doc["metadata"]["name"]) == (patch["kind"], patch["metadata"]["name"])
+    ]
+    assert len(targets) == 1, f"{path.name} must patch exactly one base object"
+    _validate(_strategic_merge(targets[0], patch))
 
 
 def test_an_invalid_manifest_is_refused() -> None:
