@@ -21,7 +21,7 @@ from db import ClaimLost, IncidentState
 from flows.approval import artifact_key
 from flows.coordination import destructive_slot
 from flows.notify import NeedsHuman, needs_human
-from flows.policy import IncidentPolicy
+from flows.policy import IncidentPolicy, within_limits
 from flows.recovery_settings import FlowSettings
 from flows.report import incident_summary, report_markdown
 from flows.stages import (
@@ -86,8 +86,15 @@ def incident_response(
 
     ``retry``: a ``failed`` or ``expired`` incident is reopened first and continued (the
     Prefect UI's way to move one forward; ``sdcguard incident retry`` does the same).
+
+    ``policy`` is bounded first by this process's ``SDCGUARD_POLICY_…`` limits: a run's
+    parameter can make auto-approval and the storm guard stricter, never looser.
     """
-    ledger = current_backends().ledger
+    backends = current_backends()
+    ledger = backends.ledger
+    policy, refused = within_limits(policy, backends.policy_limits)
+    for line in refused:
+        log.warning("policy parameter bounded: %s", line, extra={"incident": incident_id})
     current = ledger.get_incident(incident_id)
     if retry and current.state in (IncidentState.FAILED, IncidentState.EXPIRED):
         ledger.retry_incident(

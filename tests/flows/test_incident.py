@@ -39,6 +39,7 @@ from db import (
 from flows.approval import ApprovalDecision, artifact_key, submit_decision
 from flows.incident import IncidentFailed, incident_response, respond
 from flows.policy import IncidentPolicy, NodeAction
+from flows.recovery_settings import PolicySettings
 from flows.report import STAGE_KIND, incident_summary
 from flows.retry import retry_incident
 from flows.trigger import RecordingTrigger
@@ -251,9 +252,11 @@ def build_site(
     suspects: list[str] | None = None,
     replay: Any = None,
     throttle_retries: bool = False,
+    limits: PolicySettings | None = None,
 ) -> Site:
     """Seed the ledger with a job (ranks, checkpoints 9/19/29 verified, 39 pending) and one
-    incident, and wire local backends around it."""
+    incident, and wire local backends around it. ``limits``: the server-side policy limits
+    (default: a worker whose operator allows auto-approval, so ``AUTO`` runs may use it)."""
     effects = Effects()
     cluster_name = f"sdc-{uuid.uuid4().hex[:8]}"
     names = NODES + SPARES
@@ -290,6 +293,7 @@ def build_site(
         directory=LocalNodeDirectory(cluster),
         catalog=LocalJobCatalog(tmp_path / "jobs"),
         description=f"test: {tmp_path}",
+        policy_limits=limits or PolicySettings(auto_approve=True),
     )
     return Site(
         ledger=ledger,
@@ -522,6 +526,22 @@ def test_auto_approval_takes_a_hardware_verdict_backed_by_a_ring_audit(site: Sit
     assert incident.approver == "policy:auto-approve"
     assert "ring audit" in (incident.approval_reason or "")
     assert summary["resumed_from_step"] == 29
+
+
+def test_a_run_parameter_cannot_turn_on_auto_approval_the_server_forbids(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
+) -> None:
+    # the worker's SDCGUARD_POLICY_AUTO_APPROVE is off (the default); the run asks for it anyway
+    site = build_site(tmp_path, sqlite_ledger, local_aws, limits=PolicySettings())
+    summary = site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+
+    incident = site.incident()
+    assert incident.state is IncidentState.EXPIRED
+    assert incident.approver is None
+    assert incident.decision == "expire"
+    assert summary["replaced"] == []
+    assert "replace" not in [v for v, _ in site.effects.done]
+    assert site.cluster.node(FAULTY).unschedulable
 
 
 def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(

@@ -14,7 +14,9 @@ from flows.policy import (
     StormCheck,
     auto_approval,
     storm_guard,
+    within_limits,
 )
+from flows.recovery_settings import PolicySettings
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 JOB_NODES = [f"node-{i}" for i in range(8)]
@@ -187,3 +189,52 @@ def test_auto_approval_never_during_a_storm() -> None:
     )
     assert not result.approved
     assert "storm" in result.reason
+
+
+def test_server_limits_default_to_no_auto_approval(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SDCGUARD_POLICY_AUTO_APPROVE", raising=False)
+    assert PolicySettings().auto_approve is False
+    monkeypatch.setenv("SDCGUARD_POLICY_AUTO_APPROVE", "true")
+    monkeypatch.setenv("SDCGUARD_POLICY_STORM_NODE_SHARE", "0.1")
+    assert PolicySettings().auto_approve is True
+    assert PolicySettings().storm_node_share == 0.1
+
+
+def test_a_run_parameter_cannot_loosen_the_server_limits() -> None:
+    asked = IncidentPolicy(
+        auto_approve=True,
+        storm_node_share=0.9,
+        storm_min_nodes=50,
+        storm_max_nodes_per_hour=100,
+        storm_window_s=60,
+    )
+    effective, refused = within_limits(asked, PolicySettings(auto_approve=False))
+
+    assert effective.auto_approve is False
+    assert effective.storm_node_share == 0.25
+    assert effective.storm_min_nodes == 2
+    assert effective.storm_max_nodes_per_hour == 4
+    assert effective.storm_window_s == 3600
+    assert len(refused) == 5
+    assert any(line.startswith("auto_approve=True") for line in refused)
+    # and the bounded policy does not auto-approve even the strongest evidence
+    verdict = auto_approval(
+        policy=effective,
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[_alarm("audit", ("node-2",))],
+        storm=_storm(["node-2"]),
+    )
+    assert not verdict.approved
+
+
+def test_a_run_parameter_may_make_the_policy_stricter() -> None:
+    asked = IncidentPolicy(
+        auto_approve=False, storm_node_share=0.1, storm_max_nodes_per_hour=2, storm_window_s=7200
+    )
+    effective, refused = within_limits(asked, PolicySettings(auto_approve=True))
+
+    assert effective == asked
+    assert refused == []
+    allowed, _ = within_limits(IncidentPolicy(auto_approve=True), PolicySettings(auto_approve=True))
+    assert allowed.auto_approve is True
