@@ -87,6 +87,39 @@ def test_more_than_a_quarter_of_the_job_is_a_storm() -> None:
     assert "software" in check.reason
 
 
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_one_implicated_node_of_a_small_job_is_no_storm(size: int) -> None:
+    check = _storm(["node-0"], job_nodes=JOB_NODES[:size])
+    assert not check.tripped
+    assert check.share == pytest.approx(1 / size)
+    assert f"1 of {size} nodes implicated" in check.reason
+
+
+def test_two_implicated_nodes_of_a_three_node_job_are_a_storm() -> None:
+    check = _storm(["node-0", "node-1"], job_nodes=JOB_NODES[:3])
+    assert check.tripped
+    assert "2 of the job's 3 nodes" in check.reason
+
+
+def test_a_higher_minimum_count_lets_the_share_rule_wait() -> None:
+    policy = IncidentPolicy(storm_min_nodes=3)
+    assert not _storm(["node-0", "node-1"], job_nodes=JOB_NODES[:3], policy=policy).tripped
+    assert _storm(["node-0", "node-1", "node-2"], job_nodes=JOB_NODES[:4], policy=policy).tripped
+
+
+def test_a_small_job_still_trips_the_hourly_count() -> None:
+    recent = [(f"other-{i}", NOW - timedelta(minutes=5)) for i in range(4)]
+    check = _storm(["node-0"], recent, job_nodes=JOB_NODES[:3])
+    assert check.tripped
+    assert "share" not in check.reason and "of the job's" not in check.reason
+    assert "5 distinct nodes" in check.reason
+
+
+def test_the_minimum_count_is_at_least_two() -> None:
+    with pytest.raises(ValidationError):
+        IncidentPolicy(storm_min_nodes=1)
+
+
 def test_too_many_nodes_in_the_window_is_a_storm_across_jobs() -> None:
     recent = [(f"other-{i}", NOW - timedelta(minutes=10 * i)) for i in range(4)]
     check = _storm(["node-0"], recent)
