@@ -129,7 +129,8 @@ def incidents(
     if as_json:
         typer.echo(json.dumps({"incidents": [i.to_dict() for i in found]}, default=str))
         return
-    Console().print(incidents_table(found))
+    console = Console()
+    console.print(incidents_table(found, width=console.width))
 
 
 @app.command(no_args_is_help=True)

@@ -18,6 +18,7 @@ extension, the webhook on loopback, the incident flow run by the webhook's local
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from db import Ledger
 from db.migrate import upgrade
 from flows.incident import respond
 from flows.policy import IncidentPolicy
-from flows.recovery_settings import AwsSettings, RecoverySettings
+from flows.recovery_settings import AwsSettings, PolicySettings, RecoverySettings
 from flows.serve import run_in_thread
 from flows.trigger import LocalTrigger
 from flows.webhook import create_app
@@ -198,6 +199,12 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             aws=AwsSettings(endpoint_url=aws.endpoint_url, hyperpod_cluster=_CLUSTER),
             aws_session=aws.session(),
         )
+        if not config.approve_in_ui:
+            # this process is the demo's only worker: its operator (whoever runs the demo)
+            # allows the unattended policy below, as SDCGUARD_POLICY_AUTO_APPROVE would
+            backends = dataclasses.replace(
+                backends, policy_limits=PolicySettings(auto_approve=True)
+            )
         stack.enter_context(use_backends(backends))
         ledger = backends.ledger
         # Unattended, the policy approves only on the strongest evidence (a hardware verdict that

@@ -12,6 +12,7 @@ resuming → resolved``, or ``rejected`` / ``expired`` / ``failed``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prefect import flow
@@ -21,10 +22,11 @@ from db import ClaimLost, IncidentState
 from flows.approval import artifact_key
 from flows.coordination import destructive_slot
 from flows.notify import NeedsHuman, needs_human
-from flows.policy import IncidentPolicy
+from flows.policy import IncidentPolicy, within_limits
 from flows.recovery_settings import FlowSettings
 from flows.report import incident_summary, report_markdown
 from flows.stages import (
+    Decision,
     StageTask,
     close,
     collect_telemetry,
@@ -37,10 +39,11 @@ from flows.stages import (
     seek_approval,
     stop_training,
     triage,
+    withdraw_automatic,
 )
 from flows.wiring import current_backends
 
-__all__ = ["IncidentFailed", "incident_response", "publish_report", "respond"]
+__all__ = ["IncidentFailed", "fix_and_resume", "incident_response", "publish_report", "respond"]
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +82,24 @@ def incident_response(
        Reject → ``rejected`` (uncordon if asked); no answer in time → ``expired`` (stays
        cordoned, nothing replaced).
     7. Replace the approved nodes through HyperPod (or reboot them) — from here to the resume,
-       one incident at a time fleet-wide (:mod:`flows.coordination`).
+       one incident at a time fleet-wide (:mod:`flows.coordination`). Just before, the storm
+       guard runs again: if later alarms make it a storm, the policy's own approval is
+       withdrawn and a human decides.
     8. Quarantine the checkpoints of the suspect range once more (late arrivals included).
     9. Resume from the newest verified checkpoint before the range, sha256 checked in storage.
     10. Resolved. The incident report is published as an artifact and returned as a dict.
 
     ``retry``: a ``failed`` or ``expired`` incident is reopened first and continued (the
     Prefect UI's way to move one forward; ``sdcguard incident retry`` does the same).
+
+    ``policy`` is bounded first by this process's ``SDCGUARD_POLICY_…`` limits: a run's
+    parameter can make auto-approval and the storm guard stricter, never looser.
     """
-    ledger = current_backends().ledger
+    backends = current_backends()
+    ledger = backends.ledger
+    policy, refused = within_limits(policy, backends.policy_limits)
+    for line in refused:
+        log.warning("policy parameter bounded: %s", line, extra={"incident": incident_id})
     current = ledger.get_incident(incident_id)
     if retry and current.state in (IncidentState.FAILED, IncidentState.EXPIRED):
         ledger.retry_incident(
@@ -109,15 +121,14 @@ def incident_response(
         run(cordon_suspects)
         run(collect_telemetry)
         run(diagnostic_replay)
-        decision = seek_approval(
-            incident_id, policy, poll_interval_s=FlowSettings().approval_poll_s
-        )
+        poll_s = FlowSettings().approval_poll_s
+        decision = seek_approval(incident_id, policy, poll_interval_s=poll_s)
+        if decision.approved and not fix_and_resume(incident_id, policy, decision, run):
+            # the storm guard, run again before the fix, withdrew the policy's approval
+            decision = seek_approval(incident_id, policy, poll_interval_s=poll_s)
+            if decision.approved:
+                fix_and_resume(incident_id, policy, decision, run)
         if decision.approved:
-            # The only stages that wait for other incidents: one fleet change at a time.
-            with destructive_slot(incident_id):
-                run(fix_nodes)
-                run(quarantine_suspect_checkpoints)
-                run(resume_training)
             close(
                 incident_id, IncidentState.RESOLVED, "training resumed from a verified checkpoint"
             )
@@ -166,6 +177,26 @@ def incident_response(
             )
         raise IncidentFailed(incident_id, reason, publish_report(incident_id)) from err
     return publish_report(incident_id)
+
+
+def fix_and_resume(
+    incident_id: str,
+    policy: IncidentPolicy,
+    decision: Decision,
+    run: Callable[[StageTask], dict[str, Any]],
+) -> bool:
+    """Steps 7-9 — the only stages that wait for other incidents: one fleet change at a time.
+
+    First, inside the slot, the storm guard runs again with the alarms known now: an automatic
+    approval it trips is withdrawn (False: nothing was done, a human must decide).
+    """
+    with destructive_slot(incident_id):
+        if withdraw_automatic(incident_id, policy, decision):
+            return False
+        run(fix_nodes)
+        run(quarantine_suspect_checkpoints)
+        run(resume_training)
+    return True
 
 
 def _run_name() -> str:

@@ -2,15 +2,22 @@
 
 The policy is a typed flow parameter (``incident_response(incident_id, policy)``): an operator
 sees it in the Prefect UI next to every run and can change it per run or per deployment without
-touching code. The two guards here are pure functions of ledger facts so that they can be
-tested exhaustively and so that a re-run of the flow reaches the same decision from the same
+touching code. Its dangerous knobs — auto-approval and the storm thresholds — are bounded by
+server-side limits (``SDCGUARD_POLICY_…``, read by the flow's own process): anyone with Prefect
+API access can set a run's parameters, so a parameter may only make the policy *stricter*
+(:func:`within_limits`). The two guards here are pure functions of ledger facts so that they can
+be tested exhaustively and so that a re-run of the flow reaches the same decision from the same
 facts.
 
 Invariants:
-- The storm guard trips when the alarms implicate *more than* ``storm_node_share`` of a job's
-  nodes, or *more than* ``storm_max_nodes_per_hour`` distinct nodes within the window. A storm
-  is more likely a software fault (a bad rollout, a numerics bug) than many GPUs failing at once,
-  so it forbids any automatic replacement and hands the incident to a human.
+- The storm guard trips when at least ``storm_min_nodes`` (two or more) implicated nodes are
+  *more than* ``storm_node_share`` of a job's nodes, or when *more than*
+  ``storm_max_nodes_per_hour`` distinct nodes are implicated within the window. One implicated
+  node is never a storm by share alone, so a 3-node job can still cordon its one bad node. A
+  storm is more likely a software fault (a bad rollout, a numerics bug) than many GPUs failing at
+  once, so it forbids any automatic replacement and hands the incident to a human.
+- The effective policy of a run is never looser than the server's limits: auto-approval only
+  when both allow it, the lowest share and count thresholds, the longest window.
 - Auto-approval approves only a ``hardware`` verdict that names one node, backed by alarm
   evidence that itself names exactly that node (a strict-majority fingerprint vote or a ring
   audit), and never while the storm guard trips. Two replicas that disagree can say "they
@@ -23,7 +30,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,9 +39,11 @@ __all__ = [
     "AutoApproval",
     "IncidentPolicy",
     "NodeAction",
+    "PolicyLimits",
     "StormCheck",
     "auto_approval",
     "storm_guard",
+    "within_limits",
 ]
 
 # Alarm layers whose evidence can name a single node (DESIGN, "What each detection layer can see").
@@ -86,6 +95,15 @@ class IncidentPolicy(BaseModel):
         le=1.0,
         description="Alarms implicating more than this share of a job's nodes form a storm.",
     )
+    storm_min_nodes: int = Field(
+        2,
+        ge=2,
+        le=10_000,
+        description=(
+            "The share rule counts only when at least this many nodes are implicated: one bad "
+            "node is never a storm by share alone, however small the job."
+        ),
+    )
     storm_max_nodes_per_hour: int = Field(
         4,
         ge=1,
@@ -130,6 +148,45 @@ class IncidentPolicy(BaseModel):
     def retry_delays(self) -> list[float]:
         """Exponential backoff (1x, 2x, 4x, ... the base) for the stage retries."""
         return [self.retry_delay_s * (2**i) for i in range(self.task_retries)]
+
+
+class PolicyLimits(Protocol):
+    """The server's bounds on the dangerous knobs (``flows.recovery_settings.PolicySettings``)."""
+
+    @property
+    def auto_approve(self) -> bool: ...
+    @property
+    def storm_node_share(self) -> float: ...
+    @property
+    def storm_min_nodes(self) -> int: ...
+    @property
+    def storm_max_nodes_per_hour(self) -> int: ...
+    @property
+    def storm_window_s(self) -> int: ...
+
+
+def within_limits(policy: IncidentPolicy, limits: PolicyLimits) -> tuple[IncidentPolicy, list[str]]:
+    """The run's effective policy: ``policy`` made no looser than the server's ``limits``.
+
+    Returns it with one line per knob the run's parameter tried to loosen (for the log and the
+    report). Stricter is: auto-approval off, a lower share, a lower minimum count, a lower
+    hourly count, a longer window (more alarms counted).
+    """
+    bounded = {
+        "auto_approve": policy.auto_approve and limits.auto_approve,
+        "storm_node_share": min(policy.storm_node_share, limits.storm_node_share),
+        "storm_min_nodes": min(policy.storm_min_nodes, limits.storm_min_nodes),
+        "storm_max_nodes_per_hour": min(
+            policy.storm_max_nodes_per_hour, limits.storm_max_nodes_per_hour
+        ),
+        "storm_window_s": max(policy.storm_window_s, limits.storm_window_s),
+    }
+    refused = [
+        f"{name}={getattr(policy, name)!r} is looser than the server's limit; {value!r} applies"
+        for name, value in bounded.items()
+        if getattr(policy, name) != value
+    ]
+    return policy.model_copy(update=bounded), refused
 
 
 @dataclass(frozen=True)
@@ -196,7 +253,7 @@ def storm_guard(
     share: float | None = None
     if nodes:
         share = len(names) / len(nodes)
-        if share > policy.storm_node_share:
+        if len(names) >= policy.storm_min_nodes and share > policy.storm_node_share:
             reasons.append(
                 f"alarms implicate {len(names)} of the job's {len(nodes)} nodes "
                 f"({share:.0%} > {policy.storm_node_share:.0%})"

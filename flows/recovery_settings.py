@@ -22,6 +22,7 @@ __all__ = [
     "BackendMode",
     "FlowSettings",
     "KubeSettings",
+    "PolicySettings",
     "RecoverySettings",
 ]
 
@@ -216,4 +217,48 @@ class FlowSettings(BaseSettings):
         ge=1,
         le=300,
         description="How often a paused run checks whether the approver answered.",
+    )
+
+
+class PolicySettings(BaseSettings):
+    """Server-side limits on the incident policy's dangerous knobs (``SDCGUARD_POLICY_…``).
+
+    Read by the flow's own process (the worker's environment), never from a run's parameters:
+    anyone with Prefect API access can set those, so a run's ``IncidentPolicy`` may only be
+    stricter than these (:func:`flows.policy.within_limits`). Auto-approval is off unless the
+    operator of the worker turns it on here.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="SDCGUARD_POLICY_", extra="ignore", frozen=True)
+
+    auto_approve: bool = Field(
+        default=False,
+        description=(
+            "Allow runs to approve without a human (still only on the strongest evidence and "
+            "never in a storm). Off: every replacement waits for a human, whatever the run asks."
+        ),
+    )
+    storm_node_share: float = Field(
+        default=0.25,
+        gt=0.0,
+        le=1.0,
+        description="Highest share of a job's nodes a run may implicate before it is a storm.",
+    )
+    storm_min_nodes: int = Field(
+        default=2,
+        ge=2,
+        le=10_000,
+        description="Highest minimum of implicated nodes for the share rule a run may use.",
+    )
+    storm_max_nodes_per_hour: int = Field(
+        default=4,
+        ge=1,
+        le=10_000,
+        description="Highest count of distinct nodes per window a run may allow.",
+    )
+    storm_window_s: int = Field(
+        default=3600,
+        ge=60,
+        le=7 * 24 * 3600,
+        description="Shortest storm window a run may use (a longer one counts more alarms).",
     )

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from rich import box
 from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -174,26 +175,51 @@ def report_markdown(incident: IncidentView) -> str:
     return "\n".join(lines)
 
 
-def incidents_table(incidents: Sequence[IncidentView]) -> Table:
-    """``sdcguard incidents``: one row per incident, newest first."""
+WIDE_LIST = 132
+"""Terminal width from which ``sdcguard incidents`` shows verdict, decision and opening time."""
+
+
+def incidents_table(incidents: Sequence[IncidentView], width: int | None = None) -> Table:
+    """``sdcguard incidents``: one row per incident, newest first.
+
+    ``width`` is the terminal's (80 when piped): below :data:`WIDE_LIST` only the id, job,
+    state, suspect steps and nodes are shown, so none of them is squeezed to nothing. The id,
+    state and steps never wrap (ids are copied from here); job and node names fold.
+    """
+    wide = width is None or width >= WIDE_LIST
     table = Table(
-        title="Incidents", header_style="bold", caption=None if incidents else "no incidents"
+        title="Incidents",
+        header_style="bold",
+        caption=None if incidents else "no incidents",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
     )
-    table.add_column("incident", no_wrap=True, min_width=36)  # ids are copied from here
-    for column in ("job", "state", "suspect steps", "suspect nodes", "verdict", "decision"):
-        table.add_column(column)
-    table.add_column("opened", no_wrap=True)
+    table.add_column("incident", no_wrap=True, min_width=36)
+    table.add_column("job", overflow="fold", min_width=8)
+    table.add_column("state", no_wrap=True, min_width=8)
+    table.add_column("steps", no_wrap=True, min_width=5)
+    table.add_column("nodes", overflow="fold", min_width=6)
+    if wide:
+        table.add_column("verdict", no_wrap=True)
+        table.add_column("decision", no_wrap=True)
+        table.add_column("opened", no_wrap=True)
     for incident in incidents:
-        table.add_row(
+        row: list[str | Text] = [
             incident.id,
             incident.job_id,
             _state_text(incident),
             f"{incident.suspect_start}..{incident.suspect_end}",
-            ", ".join(incident.suspect_nodes),
-            incident.verdict.value if incident.verdict is not None else "—",
-            incident.decision or "—",
-            f"{incident.opened_at:%Y-%m-%d %H:%M:%S}",
-        )
+            ", ".join(incident.suspect_nodes) or "—",
+        ]
+        if wide:
+            row += [
+                incident.verdict.value if incident.verdict is not None else "—",
+                incident.decision or "—",
+                f"{incident.opened_at:%Y-%m-%d %H:%M:%S}",
+            ]
+        table.add_row(*row)
     return table
 
 
@@ -201,8 +227,8 @@ def incident_renderables(incident: IncidentView) -> list[RenderableType]:
     """``sdcguard incident ID``: the incident, its stages, its actions and its alarms."""
     summary = incident_summary(incident)
     facts = Table.grid(padding=(0, 2))
-    facts.add_column(style="bold")
-    facts.add_column()
+    facts.add_column(style="bold", no_wrap=True)
+    facts.add_column(overflow="fold")
     approval = summary["approval"] or {}
     for name, value in (
         ("incident", incident.id),
@@ -226,9 +252,10 @@ def incident_renderables(incident: IncidentView) -> list[RenderableType]:
         ("resumed from step", str(summary["resumed_from_step"] or "—")),
     ):
         facts.add_row(name, str(value))
-    stages = Table(title="Stages", header_style="bold")
-    for column in ("stage", "status", "start", "end", "outcome"):
-        stages.add_column(column)
+    stages = Table(title="Stages", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
+    for column in ("stage", "status", "start", "end"):
+        stages.add_column(column, no_wrap=True)
+    stages.add_column("outcome", overflow="fold", ratio=1)
     for action in stage_actions(incident):
         stages.add_row(
             action.target,
@@ -237,15 +264,19 @@ def incident_renderables(incident: IncidentView) -> list[RenderableType]:
             f"{action.finished_at:%H:%M:%S}" if action.finished_at else "—",
             str((action.detail or {}).get("outcome", "")),
         )
-    actions = Table(title="Actions", header_style="bold")
-    for column in ("action", "target", "status", "attempts"):
-        actions.add_column(column)
+    actions = Table(title="Actions", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
+    actions.add_column("action", no_wrap=True)
+    actions.add_column("target", overflow="fold", min_width=8)
+    for column in ("status", "attempts"):
+        actions.add_column(column, no_wrap=True)
     for action in incident.actions:
         if action.kind != STAGE_KIND:
             actions.add_row(action.kind, action.target, action.status.value, str(action.attempts))
-    alarms = Table(title="Alarms", header_style="bold")
-    for column in ("step", "layer", "phase", "suspect nodes", "received"):
-        alarms.add_column(column)
+    alarms = Table(title="Alarms", header_style="bold", box=box.SIMPLE_HEAD, show_edge=False)
+    for column in ("step", "layer", "phase"):
+        alarms.add_column(column, no_wrap=True)
+    alarms.add_column("suspect nodes", overflow="fold", min_width=6)
+    alarms.add_column("received", no_wrap=True)
     for alarm in incident.alarms:
         alarms.add_row(
             str(alarm.step),

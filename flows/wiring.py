@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,9 +29,10 @@ from flows.recovery_settings import (
     AwsSettings,
     BackendMode,
     KubeSettings,
+    PolicySettings,
     RecoverySettings,
 )
-from flows.settings import DatabaseSettings
+from flows.settings import DatabaseSettings, load_settings
 from recovery.checkpoint_uris import UriCheckpointStore
 from recovery.checkpoints import CheckpointStore, FileCheckpointStore, S3CheckpointStore
 from recovery.cluster import LocalCluster
@@ -308,6 +309,8 @@ class Backends:
     catalog: JobCatalog
     description: str
     """One line for logs and reports: which cluster and account these backends touch."""
+    policy_limits: PolicySettings = field(default_factory=lambda: load_settings(PolicySettings))
+    """The server's bounds on every run's policy (``SDCGUARD_POLICY_…`` of this process)."""
 
 
 def build_backends(

@@ -37,7 +37,7 @@ from flows.stages._common import (
     record_stage,
     retry_on_temporary,
 )
-from flows.stages.approval import AUTO_APPROVER, Decision, seek_approval
+from flows.stages.approval import AUTO_APPROVER, Decision, seek_approval, withdraw_automatic
 from flows.stages.containment import cordon_suspects, release_nodes, stop_training, triage
 from flows.stages.diagnosis import collect_telemetry, diagnostic_replay
 from flows.stages.fix import fix_nodes
@@ -66,4 +66,5 @@ __all__ = [
     "seek_approval",
     "stop_training",
     "triage",
+    "withdraw_automatic",
 ]

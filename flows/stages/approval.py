@@ -11,6 +11,7 @@ a subset of the request's; the fix stage replaces those and no other.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -29,9 +30,12 @@ from flows.stages._common import (
     verdict_of,
     with_evidence,
 )
+from flows.stages.containment import recheck_storm
 from flows.wiring import Backends, current_backends
 
-__all__ = ["AUTO_APPROVER", "EXPIRE", "Decision", "seek_approval"]
+__all__ = ["AUTO_APPROVER", "EXPIRE", "Decision", "seek_approval", "withdraw_automatic"]
+
+log = logging.getLogger(__name__)
 
 AUTO_APPROVER = "policy:auto-approve"
 
@@ -45,6 +49,8 @@ class Decision:
     uncordon_on_reject: bool = False
     nodes: tuple[str, ...] = field(default=())
     """On approve, exactly the nodes approved for the fix."""
+    automatic: bool = False
+    """Approved by the policy, not a human: withdrawn if the storm guard trips before the fix."""
 
     @property
     def approved(self) -> bool:
@@ -108,6 +114,8 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
         request, fresh = _request(b, incident, policy)
         requested = list(request["nodes"])
         verdict = verdict_of(incident)
+        if recheck_storm(b, incident_id, policy):  # alarms that arrived since triage count
+            incident = b.ledger.get_incident(incident_id)
         storm = _storm_of(incident)
         auto = auto_approval(
             policy=policy,
@@ -173,7 +181,34 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
         choice=str(outcome["decision"]),
         uncordon_on_reject=bool(outcome.get("uncordon_on_reject", False)),
         nodes=tuple(outcome.get("nodes") or ()),
+        automatic=outcome.get("approver") == AUTO_APPROVER,
     )
+
+
+def withdraw_automatic(incident_id: str, policy: IncidentPolicy, decision: Decision) -> bool:
+    """Just before the destructive stages: does an automatic approval still stand?
+
+    The storm guard runs again with the alarms known now (they may have arrived after the
+    approval, e.g. while waiting for the fleet-wide slot). If it trips, the policy's approval
+    is withdrawn — the incident is closed ``expired`` with the reason and at once reopened
+    for a human (as ``sdcguard incident retry`` would: decision and request cleared, the
+    approval stage reopened) — and True is returned: the caller asks a human. A human's
+    decision is never withdrawn (later alarms are new evidence, never a silent change of what
+    was approved), nor one whose fix already began (the incident left ``awaiting_approval``).
+    """
+    if not (decision.approved and decision.automatic):
+        return False
+    b = current_backends()
+    if b.ledger.get_incident(incident_id).state is not IncidentState.AWAITING_APPROVAL:
+        return False
+    if not recheck_storm(b, incident_id, policy):
+        return False
+    storm = b.ledger.get_incident(incident_id).storm_reason or "alarm storm"
+    reason = f"automatic approval withdrawn before the fix: {storm}"
+    log.warning("%s", reason, extra={"incident": incident_id, "stage": Stage.APPROVAL.value})
+    b.ledger.transition(incident_id, IncidentState.EXPIRED, reason=reason)
+    b.ledger.retry_incident(incident_id, by="storm guard", reason="a human must approve: " + reason)
+    return True
 
 
 def _page(incident: IncidentView, requested: list[str]) -> None:

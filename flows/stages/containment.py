@@ -12,8 +12,8 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from db import IncidentState
-from flows.policy import IncidentPolicy, storm_guard
+from db import IncidentState, IncidentView
+from flows.policy import IncidentPolicy, StormCheck, storm_guard
 from flows.stages._common import (
     Action,
     Stage,
@@ -30,16 +30,21 @@ from flows.wiring import Backends, current_backends
 from recovery.errors import NotFoundError
 from recovery.nodes import ANNOTATION_CORDONED_BY, TAINT_KEY
 
-__all__ = ["cordon_suspects", "release_nodes", "stop_training", "triage", "uncordon"]
+__all__ = [
+    "cordon_suspects",
+    "evaluate_storm",
+    "recheck_storm",
+    "release_nodes",
+    "stop_training",
+    "triage",
+    "uncordon",
+]
 
 log = logging.getLogger(__name__)
 
 
-@stage(Stage.TRIAGE)
-def triage(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
-    """Storm guard: alarms on too many nodes at once look like software, not one bad GPU."""
-    b = current_backends()
-    incident = b.ledger.get_incident(incident_id)
+def evaluate_storm(b: Backends, incident: IncidentView, policy: IncidentPolicy) -> StormCheck:
+    """The storm guard over the alarms the ledger holds now, this incident's and recent ones."""
     now = datetime.now(UTC)
     since = now - timedelta(seconds=policy.storm_window_s)
     recent = [
@@ -49,13 +54,46 @@ def triage(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
         for alarm in other.alarms
         for node in alarm_suspects(alarm)
     ]
-    check = storm_guard(
+    return storm_guard(
         implicated=implicated_nodes(incident),
         job_nodes={r.node for r in b.ledger.rank_map(incident.job_id).values()},
         recent=recent,
         now=now,
         policy=policy,
     )
+
+
+def recheck_storm(b: Backends, incident_id: str, policy: IncidentPolicy) -> bool:
+    """Run the storm guard again with the alarms known now; return whether it trips.
+
+    A storm is sticky: once recorded (at triage or by an earlier recheck) it stays, so a re-run
+    reaches the same verdict. A newly tripped storm is recorded with its reason and evidence.
+    """
+    incident = b.ledger.get_incident(incident_id)
+    if incident.storm:
+        return True
+    check = evaluate_storm(b, incident, policy)
+    if check.tripped:
+        log.warning("%s (re-evaluated)", check.reason, extra=log_extra(incident_id, "storm"))
+        b.ledger.transition(
+            incident_id,
+            incident.state,
+            storm=True,
+            reason=check.reason,
+            evidence=with_evidence(incident, storm=check.to_dict()),
+        )
+    return check.tripped
+
+
+@stage(Stage.TRIAGE)
+def triage(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
+    """Storm guard: alarms on too many nodes at once look like software, not one bad GPU.
+
+    The verdict is re-evaluated as alarms arrive (:func:`recheck_storm`, before an automatic
+    approval and again before the destructive stages)."""
+    b = current_backends()
+    incident = b.ledger.get_incident(incident_id)
+    check = evaluate_storm(b, incident, policy)
     evidence = with_evidence(incident, storm=check.to_dict())
     if check.tripped:
         log.warning("%s", check.reason, extra=log_extra(incident_id, Stage.TRIAGE))

@@ -31,6 +31,7 @@ from db import (
     ActionStatus,
     AlarmIn,
     CheckpointStatus,
+    ClaimLost,
     IllegalTransition,
     IncidentState,
     Ledger,
@@ -39,6 +40,7 @@ from db import (
 from flows.approval import ApprovalDecision, artifact_key, submit_decision
 from flows.incident import IncidentFailed, incident_response, respond
 from flows.policy import IncidentPolicy, NodeAction
+from flows.recovery_settings import PolicySettings
 from flows.report import STAGE_KIND, incident_summary
 from flows.retry import retry_incident
 from flows.trigger import RecordingTrigger
@@ -251,9 +253,11 @@ def build_site(
     suspects: list[str] | None = None,
     replay: Any = None,
     throttle_retries: bool = False,
+    limits: PolicySettings | None = None,
 ) -> Site:
     """Seed the ledger with a job (ranks, checkpoints 9/19/29 verified, 39 pending) and one
-    incident, and wire local backends around it."""
+    incident, and wire local backends around it. ``limits``: the server-side policy limits
+    (default: a worker whose operator allows auto-approval, so ``AUTO`` runs may use it)."""
     effects = Effects()
     cluster_name = f"sdc-{uuid.uuid4().hex[:8]}"
     names = NODES + SPARES
@@ -290,6 +294,7 @@ def build_site(
         directory=LocalNodeDirectory(cluster),
         catalog=LocalJobCatalog(tmp_path / "jobs"),
         description=f"test: {tmp_path}",
+        policy_limits=limits or PolicySettings(auto_approve=True),
     )
     return Site(
         ledger=ledger,
@@ -524,6 +529,22 @@ def test_auto_approval_takes_a_hardware_verdict_backed_by_a_ring_audit(site: Sit
     assert summary["resumed_from_step"] == 29
 
 
+def test_a_run_parameter_cannot_turn_on_auto_approval_the_server_forbids(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
+) -> None:
+    # the worker's SDCGUARD_POLICY_AUTO_APPROVE is off (the default); the run asks for it anyway
+    site = build_site(tmp_path, sqlite_ledger, local_aws, limits=PolicySettings())
+    summary = site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+
+    incident = site.incident()
+    assert incident.state is IncidentState.EXPIRED
+    assert incident.approver is None
+    assert incident.decision == "expire"
+    assert summary["replaced"] == []
+    assert "replace" not in [v for v, _ in site.effects.done]
+    assert site.cluster.node(FAULTY).unschedulable
+
+
 def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(
     tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
 ) -> None:
@@ -541,6 +562,83 @@ def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(
         assert [v for v, _ in site.effects.done] == ["stop"]
         assert not any(site.cluster.node(n).unschedulable for n in NODES)
         assert incident.verdict is not None  # the replay still ran: evidence for the human
+    finally:
+        site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
+
+
+class AlarmingReplay(ScriptedReplay):
+    """The scripted replay, while more of the job's nodes raise alarms during the diagnosis."""
+
+    def __init__(self, faulty: dict[str, int], ledger: Ledger, late: list[str]) -> None:
+        super().__init__(faulty)
+        self.ledger = ledger
+        self.late = late
+
+    def replay(self, request: ReplayRequest) -> ReplayResult:
+        if not self.requests:
+            self.ledger.record_alarm(_alarm(ALARM_STEP + 1, self.late))
+        return super().replay(request)
+
+
+def test_alarms_arriving_during_diagnosis_make_a_storm_before_auto_approval(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
+) -> None:
+    replay = AlarmingReplay({FAULTY: 33}, sqlite_ledger, ["node-0", "node-1"])
+    site = build_site(tmp_path, sqlite_ledger, local_aws, replay=replay)
+    try:
+        site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+        incident = site.incident()
+        # triage saw one node (no storm: node-2 was cordoned); the approval saw three of four
+        assert incident.storm
+        assert "3 of the job's 4 nodes" in (incident.storm_reason or "")
+        assert incident.state is IncidentState.EXPIRED
+        assert incident.approver is None
+        assert [v for v, _ in site.effects.done] == ["stop", "cordon", "taint"]
+    finally:
+        site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
+
+
+@pytest.mark.parametrize("late_alarms", [True, False])
+def test_the_storm_guard_runs_again_before_the_fix_and_withdraws_an_automatic_approval(
+    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws, late_alarms: bool
+) -> None:
+    """A run is auto-approved, then stopped before the fix (a zombie holds the fix stage);
+    alarms on two more nodes arrive before the next run reaches the fix."""
+    site = build_site(tmp_path, sqlite_ledger, local_aws)
+    zombie = "flow-run-zombie"
+    claim = site.ledger.claim_action(
+        site.incident_id, STAGE_KIND, "replace", owner=zombie, lease_s=3600
+    )
+    try:
+        with pytest.raises(ClaimLost):
+            site.run(AUTO)
+        assert site.incident().approver == "policy:auto-approve"
+        assert site.incident().state is IncidentState.AWAITING_APPROVAL
+        if late_alarms:
+            site.ledger.record_alarm(_alarm(ALARM_STEP + 1, ["node-0", "node-1"]))
+        site.ledger.finish_action(
+            claim.action.key, ActionStatus.FAILED, {"outcome": "zombie gone"}, owner=zombie
+        )
+
+        summary = site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+
+        incident = site.incident()
+        if not late_alarms:  # the clean run: the policy's approval stands, node-2 is replaced
+            assert incident.state is IncidentState.RESOLVED
+            assert [r["node"] for r in summary["replaced"]] == [FAULTY]
+            return
+        assert incident.storm
+        assert "3 of the job's 4 nodes" in (incident.storm_reason or "")
+        assert any(
+            "automatic approval withdrawn before the fix" in (e.reason or "")
+            for e in incident.history
+        )
+        # a human was asked (and did not answer in time): nothing was replaced
+        assert incident.state is IncidentState.EXPIRED
+        assert incident.approver is None
+        assert summary["replaced"] == []
+        assert "replace" not in [v for v, _ in site.effects.done]
+        assert site.cluster.node(FAULTY).unschedulable
     finally:
         site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
 

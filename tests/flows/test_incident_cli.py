@@ -117,3 +117,36 @@ def test_cli_lists_shows_rehearses_and_migrates(
     assert migrated.exit_code == 0, migrated.output
     with Ledger.from_url(fresh) as ledger:
         assert ledger.list_incidents() == []
+
+
+@pytest.mark.parametrize("columns", ["80", None], ids=["80-columns", "piped"])
+def test_incidents_and_incident_read_well_at_80_columns(
+    resolved: Site, sqlite_database_url: str, columns: str | None
+) -> None:
+    """Piped (no terminal, no COLUMNS) rich renders 80 wide too; nothing may be squeezed out."""
+    runner = CliRunner(env={"COLUMNS": columns})
+    url = ["--database-url", sqlite_database_url]
+    incident = resolved.incident()
+    steps = f"{incident.suspect_start}..{incident.suspect_end}"
+
+    listed = runner.invoke(app, ["incidents", *url])
+    assert listed.exit_code == 0, listed.output
+    row = next(line for line in listed.output.splitlines() if incident.id in line)
+    for text in (JOB, "resolved", steps, FAULTY):
+        assert text in row, listed.output
+    assert max(len(line) for line in listed.output.splitlines()) <= 80
+
+    shown = runner.invoke(app, ["incident", incident.id, *url])
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    facts = {line.split(None, 1)[0]: line for line in lines[:3]}
+    assert incident.id in facts["incident"]
+    assert JOB in facts["job"]
+    assert "resolved" in facts["state"]
+    assert any(line.startswith("suspect steps") and steps in line for line in lines)
+    assert any(line.startswith("suspect nodes") and FAULTY in line for line in lines)
+    for stage in ("triage", "replace", "resume"):
+        assert any(line.split()[:2] == [stage, "succeeded"] for line in lines if line.strip()), (
+            shown.output
+        )

@@ -14,7 +14,9 @@ from flows.policy import (
     StormCheck,
     auto_approval,
     storm_guard,
+    within_limits,
 )
+from flows.recovery_settings import PolicySettings
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 JOB_NODES = [f"node-{i}" for i in range(8)]
@@ -83,6 +85,39 @@ def test_more_than_a_quarter_of_the_job_is_a_storm() -> None:
     assert check.tripped
     assert "3 of the job's 8 nodes" in check.reason
     assert "software" in check.reason
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_one_implicated_node_of_a_small_job_is_no_storm(size: int) -> None:
+    check = _storm(["node-0"], job_nodes=JOB_NODES[:size])
+    assert not check.tripped
+    assert check.share == pytest.approx(1 / size)
+    assert f"1 of {size} nodes implicated" in check.reason
+
+
+def test_two_implicated_nodes_of_a_three_node_job_are_a_storm() -> None:
+    check = _storm(["node-0", "node-1"], job_nodes=JOB_NODES[:3])
+    assert check.tripped
+    assert "2 of the job's 3 nodes" in check.reason
+
+
+def test_a_higher_minimum_count_lets_the_share_rule_wait() -> None:
+    policy = IncidentPolicy(storm_min_nodes=3)
+    assert not _storm(["node-0", "node-1"], job_nodes=JOB_NODES[:3], policy=policy).tripped
+    assert _storm(["node-0", "node-1", "node-2"], job_nodes=JOB_NODES[:4], policy=policy).tripped
+
+
+def test_a_small_job_still_trips_the_hourly_count() -> None:
+    recent = [(f"other-{i}", NOW - timedelta(minutes=5)) for i in range(4)]
+    check = _storm(["node-0"], recent, job_nodes=JOB_NODES[:3])
+    assert check.tripped
+    assert "of the job's" not in check.reason
+    assert "5 distinct nodes" in check.reason
+
+
+def test_the_minimum_count_is_at_least_two() -> None:
+    with pytest.raises(ValidationError):
+        IncidentPolicy(storm_min_nodes=1)
 
 
 def test_too_many_nodes_in_the_window_is_a_storm_across_jobs() -> None:
@@ -187,3 +222,52 @@ def test_auto_approval_never_during_a_storm() -> None:
     )
     assert not result.approved
     assert "storm" in result.reason
+
+
+def test_server_limits_default_to_no_auto_approval(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SDCGUARD_POLICY_AUTO_APPROVE", raising=False)
+    assert PolicySettings().auto_approve is False
+    monkeypatch.setenv("SDCGUARD_POLICY_AUTO_APPROVE", "true")
+    monkeypatch.setenv("SDCGUARD_POLICY_STORM_NODE_SHARE", "0.1")
+    assert PolicySettings().auto_approve is True
+    assert PolicySettings().storm_node_share == 0.1
+
+
+def test_a_run_parameter_cannot_loosen_the_server_limits() -> None:
+    asked = IncidentPolicy(
+        auto_approve=True,
+        storm_node_share=0.9,
+        storm_min_nodes=50,
+        storm_max_nodes_per_hour=100,
+        storm_window_s=60,
+    )
+    effective, refused = within_limits(asked, PolicySettings(auto_approve=False))
+
+    assert effective.auto_approve is False
+    assert effective.storm_node_share == 0.25
+    assert effective.storm_min_nodes == 2
+    assert effective.storm_max_nodes_per_hour == 4
+    assert effective.storm_window_s == 3600
+    assert len(refused) == 5
+    assert any(line.startswith("auto_approve=True") for line in refused)
+    # and the bounded policy does not auto-approve even the strongest evidence
+    verdict = auto_approval(
+        policy=effective,
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[_alarm("audit", ("node-2",))],
+        storm=_storm(["node-2"]),
+    )
+    assert not verdict.approved
+
+
+def test_a_run_parameter_may_make_the_policy_stricter() -> None:
+    asked = IncidentPolicy(
+        auto_approve=False, storm_node_share=0.1, storm_max_nodes_per_hour=2, storm_window_s=7200
+    )
+    effective, refused = within_limits(asked, PolicySettings(auto_approve=True))
+
+    assert effective == asked
+    assert refused == []
+    allowed, _ = within_limits(IncidentPolicy(auto_approve=True), PolicySettings(auto_approve=True))
+    assert allowed.auto_approve is True
