@@ -225,6 +225,8 @@ def _run(
     kubeconfig = _kubeconfig(tmp_path, fake.url)
     for key, value in {
         "SDCGUARD_RECOVERY_MODE": "real",
+        # The operator allows auto-approval server-side; the run's policy alone cannot.
+        "SDCGUARD_POLICY_AUTO_APPROVE": "true",
         "SDCGUARD_RECOVERY_CHECKPOINT_BUCKET": BUCKET,
         "SDCGUARD_RECOVERY_CHECKPOINT_ROOT": str(tmp_path / "shared"),
         "SDCGUARD_AWS_ENDPOINT_URL": aws.endpoint_url,
