@@ -62,12 +62,14 @@ from detection.audit import (
 from detection.faults import FaultInjector, FaultSpec
 from detection.fingerprint import Fingerprint, fingerprint_on_device
 from detection.gate import CheckpointGate, StepOutcome
+from detection.gradstats import StatsConfig
 from detection.nonfinite import (
     CheckedCommHook,
     CommHook,
     NonFiniteVerdict,
     attribute_nonfinite,
 )
+from detection.stepcheck import StepChecks
 from detection.vote import (
     VoteVerdict,
     all_gather_rows,
@@ -96,7 +98,8 @@ _W = slice(3, 5)  # weight fingerprint after the step
 _S = slice(5, 7)  # optimizer-state fingerprint after the step
 _OWN = slice(7, 10)  # own [loss bits, local-gradient fingerprint a, b]
 _REPLAY = slice(10, 13)  # the same three values recomputed for the partner
-_ROW = 13
+_STATE_NONFINITE = 13  # the per-step layer's optimizer-state flag after the update
+_ROW = 14
 
 
 class GuardError(RuntimeError):
@@ -129,6 +132,11 @@ class GuardConfig:
     the weights (a second moment whose first moment stays zero).
     ``halt_on_alarm``: set :attr:`SDCGuard.halted` after the step that raised an alarm.
     ``inject``: fault specs (``--inject`` syntax) for tests and demos.
+    ``step_checks``: the per-step layer (:mod:`detection.stepcheck`): gradient statistics, the
+    algebraic all-reduce check and the optimizer-state check on every step. On by default.
+    ``skip_update_on_alarm``: when that layer finds a step corrupted, drop its gradients before
+    ``optimizer.step`` on every rank, so the corrupted step never reaches the weights.
+    ``abft``: Linear checksums (forward rows, weight gradient), opt-in. ``stats``: the tuning.
     """
 
     audit_every: int = 0
@@ -137,6 +145,10 @@ class GuardConfig:
     vote_optimizer_state: bool = False
     halt_on_alarm: bool = False
     inject: tuple[str, ...] = field(default_factory=tuple)
+    step_checks: bool = True
+    skip_update_on_alarm: bool = False
+    abft: bool = False
+    stats: StatsConfig = field(default_factory=StatsConfig)
 
     def __post_init__(self) -> None:
         if self.audit_every < 0:
@@ -279,12 +291,14 @@ class SDCGuard:
         self.injector = FaultInjector(specs, rank=self.rank, node=self.node) if specs else None
         if self.injector is not None:
             self.injector.bind(self.module)
+        self.checks = self._step_checks(comm_hook is None)
         self.hook = CheckedCommHook(
             self.params,
             process_group=self.group,
             inner=comm_hook,
             inner_state=comm_state,
             injector=self.injector,
+            observer=self.checks,
         )
         self.hook.register(model)
         self.replay = PartnerReplay(
@@ -334,6 +348,21 @@ class SDCGuard:
             raise GuardConfigError("ranks were given different GuardConfig values")
         return tuple(n for n, _, _, _ in everyone), [i for _, _, _, i in everyone]
 
+    def _step_checks(self, default_reduction: bool) -> StepChecks:
+        return StepChecks(
+            module=self.module,
+            optimizer=self.optimizer,
+            params=self.params,
+            group=self.group,
+            world_size=self.world_size,
+            config=self.config.stats,
+            enabled=self.config.step_checks,
+            abft=self.config.abft,
+            skip_update=self.config.skip_update_on_alarm,
+            check_reduction=default_reduction,
+            extra=self._extra,
+        )
+
     def _require_determinism(self) -> None:
         if self.device.type == "cuda" and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
             raise GuardConfigError(
@@ -347,6 +376,7 @@ class SDCGuard:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.checks.close()
         if self.injector is not None:
             self.injector.close()
 
@@ -367,10 +397,12 @@ class SDCGuard:
             fingerprint_gradients=current.audit and self.config.mode is AuditMode.GRADIENT,
             inject=self.injector is not None and self.injector.any_active(),
         )
+        self.checks.begin_step()
         try:
             yield
             self._finish(current)
         finally:
+            self.checks.end_step()
             self.hook.end_step()
             if self.injector is not None:
                 self.injector.end_step()
@@ -407,6 +439,7 @@ class SDCGuard:
         current = self._require_step("optimizer.step()")
         if current.optimizer_stepped:
             raise GuardUsageError("optimizer.step() called twice in one guarded step")
+        self.checks.before_update(current.step, current.loss)
         self._run_audit(current)
 
     def _after_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
@@ -426,6 +459,7 @@ class SDCGuard:
     def _finish(self, current: _Step) -> None:
         if current.loss is None:
             raise GuardUsageError("the step's loss never went through guard.backward()")
+        self.checks.before_update(current.step, current.loss)  # no-op if the pre-hook ran it
         self._run_audit(current)  # when the loop skipped optimizer.step(), weights are unchanged
         zero2 = torch.zeros(2, dtype=torch.int64, device=self.device)
         state_fp = zero2
@@ -443,6 +477,7 @@ class SDCGuard:
                 state_fp,
                 own,
                 replay,
+                self.checks.state_flag(),
             ]
         )
         rows = all_gather_rows(row, self.group)
@@ -501,6 +536,14 @@ class SDCGuard:
             if not audit.passed and not follows:
                 findings.append(self._audit_finding(audit))
 
+        findings = self.checks.merge(
+            findings,
+            [r[_STATE_NONFINITE] for r in rows],
+            known=known,
+            poisoned=poisoned,
+            nonfinite=nonfinite is not None,
+            make=_Finding,
+        )
         alarm = self._merge(step, findings)
         outcome = StepOutcome(
             step=step,
