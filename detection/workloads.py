@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from detection.fingerprint import weight_fingerprint
 from detection.gradstats import StatsConfig
 from detection.guard import GuardConfig, SDCGuard
 from detection.model import ModelConfig, TinyTransformer, batch_seed, make_batch
@@ -156,6 +157,7 @@ def run_guarded(rank: int, world_size: int, work: Workload) -> dict[str, Any]:
         "skipped": list(guard.checks.skipped_steps),
         "injected": list(guard.injector.injected) if guard.injector is not None else [],
         "flips": list(guard.injector.flips) if guard.injector is not None else [],
+        "fingerprint": weight_fingerprint(list(module.parameters())).hex(),
     }
 
 
