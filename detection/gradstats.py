@@ -41,7 +41,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["GradStatsDetector", "LocalGradStats", "StatFinding", "StatsConfig"]
+__all__ = [
+    "GradStatsDetector",
+    "LocalGradStats",
+    "StatFinding",
+    "StatsConfig",
+    "StatsConfigError",
+]
 
 _TINY = 1e-30
 _MAD_TO_SIGMA = 1.4826
@@ -67,6 +73,23 @@ class StatsConfig:
     alpha: float = 0.05
     abft_margin: float = 8.0
     abft_floor: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = [
+            (self.k > 0, f"k must be > 0, got {self.k}"),
+            (self.floor_factor > 1, f"floor_factor must be > 1, got {self.floor_factor}"),
+            (self.warmup >= 1, f"warmup must be ≥ 1, got {self.warmup}"),
+            (0 < self.alpha <= 1, f"alpha must lie in (0, 1], got {self.alpha}"),
+            (self.abft_margin >= 1, f"abft_margin must be ≥ 1, got {self.abft_margin}"),
+            (self.abft_floor > 0, f"abft_floor must be > 0, got {self.abft_floor}"),
+        ]
+        for ok, message in problems:
+            if not ok:
+                raise StatsConfigError(message)
+
+
+class StatsConfigError(ValueError):
+    """A :class:`StatsConfig` value that would disarm or break the tests."""
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 import torch
 from torch import nn
 
 from detection.abft import LinearChecksums
 from detection.allreduce_check import check_reduction, reduction_bound, unit_roundoff
 from detection.faults import flip_bit_
-from detection.gradstats import GradStatsDetector, StatsConfig
+from detection.gradstats import GradStatsDetector, StatsConfig, StatsConfigError
 from detection.optstate import OptimizerStateCheck, state_nonfinite_flag
 
 U32 = unit_roundoff(torch.float32)
@@ -193,3 +194,11 @@ def _flipped(out: torch.Tensor, index: int, bit: int) -> torch.Tensor:
     clone = out.clone()
     flip_bit_(clone, index, bit)
     return clone
+
+
+@pytest.mark.parametrize(
+    "bad", [{"k": 0.0}, {"floor_factor": 1.0}, {"warmup": 0}, {"alpha": 0.0}, {"abft_floor": 0.0}]
+)
+def test_stats_config_refuses_values_that_would_disarm_the_tests(bad: dict[str, float]) -> None:
+    with pytest.raises(StatsConfigError):
+        StatsConfig(**bad)  # type: ignore[arg-type]
