@@ -41,7 +41,10 @@ from detection.vote import all_gather_rows
 __all__ = ["StepCheckFinding", "StepChecks"]
 
 _log = logging.getLogger(__name__)
-F = TypeVar("F")
+F = TypeVar("F", bound=tuple[Any, ...])
+# Findings that lead before this layer's: a rank's own NaN, a strict-majority vote (the
+# strongest attribution there is, and what automatic approval rests on).
+_AHEAD = (Layer.NONFINITE, Layer.FINGERPRINT)
 
 WEAKER = "statistical evidence: weaker than a vote or an audit, never approved automatically alone"
 
@@ -183,9 +186,11 @@ class StepChecks:
         nonfinite: bool,
         make: Callable[[Layer, Phase, tuple[int, ...], dict[str, Any]], F],
     ) -> list[F]:
-        """The guard's findings with this layer's placed by specificity: the pre-update findings
-        right after a non-finite one (they name the rank on the step, before the update), the
-        optimizer-state finding last (it names every replica that applied the update).
+        """The guard's findings with this layer's placed by strength of evidence: the pre-update
+        findings after a non-finite check and a vote (which name a rank by its own NaN or by a
+        majority) and before an audit, the optimizer-state finding last (it names every replica
+        that applied the update). ``findings`` come as the guard orders them: non-finite, vote,
+        audit; each is a tuple whose first item is its layer.
 
         What follows from an event already raised is not new: nothing while a NaN is open,
         nothing naming only replicas known to have diverged, and no non-finite state on the
@@ -195,7 +200,7 @@ class StepChecks:
             for f in self._pending
             if not (poisoned or (known and (not f.suspects or set(f.suspects) <= known)))
         ]
-        at = 1 if nonfinite and findings else 0
+        at = sum(1 for f in findings if f[0] in _AHEAD)
         out = [*findings[:at], *ours, *findings[at:]]
         state = self._state.observe(state_flags)
         if state is not None and not (poisoned or nonfinite or known):

@@ -45,15 +45,15 @@ def test_nan_in_a_local_gradient_names_its_rank_before_allreduce() -> None:
     assert detail["post_allreduce_ranks"] == [0, 1, 2, 3]  # the average carried it everywhere
 
 
-def test_flip_after_allreduce_is_named_by_the_allreduce_check_and_the_vote() -> None:
-    """The per-step layer sees rank 1's reduced bucket differ before the update; after it, the
-    huge element squared to inf in rank 1's Adam state and the weight vote name the same rank in
-    the same alarm."""
+def test_flip_after_allreduce_is_named_by_the_weight_vote_and_the_allreduce_check() -> None:
+    """The strict-majority vote leads; in the same alarm the per-step layer had seen rank 1's
+    reduced bucket differ before the update, and the huge element squared to inf in rank 1's
+    Adam state."""
     report = _job("reduced-flip@1:5")
-    assert _alarms(report) == [(5, "allreduce", "post-allreduce", [1], ["node-1"])]
+    assert _alarms(report) == [(5, "fingerprint", "weights", [1], ["node-1"])]
     also = report["alarms"][0]["detail"]["also"]
     assert [(a["layer"], a["suspect_ranks"]) for a in also] == [
-        ("fingerprint", [1]),
+        ("allreduce", [1]),
         ("optstate", [1]),
     ]
 
