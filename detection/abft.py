@@ -8,12 +8,15 @@ arithmetic and cost one matrix-vector product each instead of a matrix product:
   ``dW.sum(0) = x.T @ dy.sum(-1)`` and ``db.sum() = dy.sum()``.
 
 In floating point they hold up to rounding, which scales with the magnitudes involved, so the
-tolerance is magnitude-scaled: a row's residual is divided by ``u · √K · (|x| @ |W|.sum(0) +
-|b|.sum())`` (``u`` the unit roundoff of the output's dtype: bf16 under autocast) and compared with
-``τ``; the gradient residual by ``u · √M · (|x|.T @ |dy|.sum(-1))`` over the ``M`` rows. ``τ`` is
-calibrated per layer on the first clean steps: ``τ = max(margin · max clean ratio, τ_min)``.
-Clean ratios are of order 0.01-1 (the √K random-walk model of rounding is pessimistic on
-average); a flipped exponent bit of one output element moves the residual by that element.
+tolerance is magnitude-scaled: a row's residual is divided by ``u · √K · m`` with
+``m = ‖x_row‖₂ · ‖|W|.sum(0)‖₂ + |b|.sum()`` — by Cauchy-Schwarz an upper bound of
+``|x| @ |W|.sum(0) + |b|.sum()``, the sum of the products' magnitudes, taken from one norm pass
+instead of an ``|x|`` temporary — (``u`` the unit roundoff of the output's dtype: bf16 under
+autocast) and compared with ``τ``; the gradient residual likewise by ``u · √M`` times
+``‖x[:, k]‖₂ · √N · ‖(‖dy_row‖₂)‖₂`` (a bound of ``|x|.T @ |dy|.sum(-1)``) over the ``M`` rows.
+``τ`` is calibrated per layer on the first clean steps: ``τ = max(margin · max clean ratio,
+τ_min)``. Clean ratios stay far below 1; a flipped exponent bit of one output element moves the
+residual by that element.
 
 The checks read the actual output (after every forward hook that ran before, as corrupt
 hardware would have produced it) and the actual local gradient in the comm hook, before
@@ -142,7 +145,8 @@ class LinearChecksums:
             b_sum = bias.detach().float().sum() if bias is not None else 0.0
             b_abs = bias.detach().float().abs().sum() if bias is not None else 0.0
             residual = (y2.sum(-1) - (x2 @ col + b_sum)).abs()
-            scale = (x2.abs() @ col_abs + b_abs) * (_u(y.dtype) * math.sqrt(k)) + _TINY
+            magnitude = torch.linalg.vector_norm(x2, dim=-1) * torch.linalg.vector_norm(col_abs)
+            scale = (magnitude + b_abs) * (_u(y.dtype) * math.sqrt(k)) + _TINY
             self._note(layer, 0, (residual / scale).amax())
 
     # -- backward -----------------------------------------------------------------------------
@@ -153,8 +157,10 @@ class LinearChecksums:
             with torch.no_grad():
                 d2 = dy.detach().reshape(-1, dy.shape[-1]).float()
                 xf = x2.float()
-                r, ra = d2.sum(-1), d2.abs().sum(-1)
-                exp_w, mag_w = xf.T @ r, xf.abs().T @ ra
+                r = d2.sum(-1)
+                ra = torch.linalg.vector_norm(d2, dim=-1) * math.sqrt(d2.shape[-1])  # ≥ |dy_row|₁
+                exp_w = xf.T @ r
+                mag_w = torch.linalg.vector_norm(xf, dim=0) * torch.linalg.vector_norm(ra)
                 layer.exp_w = exp_w if layer.exp_w is None else layer.exp_w + exp_w
                 layer.mag_w = mag_w if layer.mag_w is None else layer.mag_w + mag_w
                 exp_b, mag_b = r.sum(), ra.sum()

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from detection.allreduce_check import bucket_norm, chunked_sum
+
 __all__ = [
     "GradStatsDetector",
     "LocalGradStats",
@@ -142,16 +144,12 @@ class LocalGradStats:
     def on_local(self, key: int, buffer: torch.Tensor) -> None:
         flat = buffer.detach().reshape(-1)
         self.numel[key] = flat.numel()
-        self._local[key] = torch.stack(
-            [
-                flat.sum(dtype=torch.float64),
-                torch.linalg.vector_norm(flat, 2, dtype=torch.float64),
-                torch.linalg.vector_norm(flat, math.inf, dtype=torch.float64),
-            ]
-        )
+        low, high = torch.aminmax(flat)
+        peak = torch.maximum(-low, high).to(torch.float64)
+        self._local[key] = torch.stack([chunked_sum(flat), bucket_norm(flat), peak])
 
     def on_reduced(self, key: int, reduced: torch.Tensor) -> None:
-        self._reduced[key] = reduced.detach().reshape(-1).sum(dtype=torch.float64).reshape(1)
+        self._reduced[key] = chunked_sum(reduced.detach().reshape(-1)).reshape(1)
 
     def row(self) -> torch.Tensor:
         """``[n_buckets, (sum, l2, amax, reduced sum) per bucket in index order]`` (float64)."""

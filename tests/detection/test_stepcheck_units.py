@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from detection.abft import LinearChecksums
-from detection.allreduce_check import check_reduction, reduction_bound, unit_roundoff
+from detection.allreduce_check import (
+    bucket_norm,
+    check_reduction,
+    chunked_sum,
+    reduction_bound,
+    unit_roundoff,
+)
 from detection.faults import flip_bit_
 from detection.gradstats import GradStatsDetector, StatsConfig, StatsConfigError
 from detection.optstate import OptimizerStateCheck, state_nonfinite_flag
@@ -29,9 +35,9 @@ def _reduce(grads: list[torch.Tensor], order: list[int]) -> torch.Tensor:
 
 
 def _sums(grads: list[torch.Tensor], reduced: list[torch.Tensor]) -> tuple[list[list[float]], ...]:
-    local = [[g.sum(dtype=torch.float64).item()] for g in grads]
-    norms = [[torch.linalg.vector_norm(g, dtype=torch.float64).item()] for g in grads]
-    post = [[r.sum(dtype=torch.float64).item()] for r in reduced]
+    local = [[chunked_sum(g).item()] for g in grads]
+    norms = [[bucket_norm(g).item()] for g in grads]
+    post = [[chunked_sum(r).item()] for r in reduced]
     return local, norms, post
 
 
