@@ -41,12 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every job's steps")
     parser.add_argument("--out", type=Path, default=None, help="write the summary JSON here")
+    parser.add_argument("--abft-only", action="store_true", help="only the jobs with ABFT on")
     args = parser.parse_args(argv)
     started = time.monotonic()
     rows = []
     for world, works in JOBS.items():
         scaled = [
-            Workload(**{**w.__dict__, "steps": max(1, int(w.steps * args.scale))}) for w in works
+            Workload(**{**w.__dict__, "steps": max(1, int(w.steps * args.scale))})
+            for w in works
+            if w.abft or not args.abft_only
         ]
         results = launch(run_many, world, scaled)[0]
         for work, result in zip(scaled, results, strict=True):
