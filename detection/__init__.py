@@ -34,6 +34,7 @@ from detection.gate import (
     GateError,
     StepOutcome,
 )
+from detection.gradstats import StatsConfig, StatsConfigError
 from detection.guard import (
     GuardConfig,
     GuardConfigError,
@@ -74,6 +75,8 @@ __all__ = [
     "Phase",
     "RankIdentity",
     "SDCGuard",
+    "StatsConfig",
+    "StatsConfigError",
     "StepOutcome",
     "VoteVerdict",
     "fingerprint_from_tensor",

@@ -24,6 +24,11 @@ class Layer(StrEnum):
     NONFINITE = "nonfinite"
     AUDIT = "audit"
     FINGERPRINT = "fingerprint"
+    # The per-step layer (detection.stepcheck): statistical and algebraic evidence on every step.
+    GRADSTATS = "gradstats"
+    ALLREDUCE = "allreduce"
+    OPTSTATE = "optstate"
+    ABFT = "abft"
 
 
 class Phase(StrEnum):
@@ -34,6 +39,9 @@ class Phase(StrEnum):
     LOSS = "loss"
     GRADIENT = "gradient"
     WEIGHTS = "weights"
+    OPTIMIZER_STATE = "optimizer-state"
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 def rfc3339_now() -> str:

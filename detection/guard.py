@@ -77,6 +77,7 @@ from detection.calibration import (
 from detection.faults import FaultInjector, FaultSpec
 from detection.fingerprint import Fingerprint, fingerprint_on_device
 from detection.gate import CheckpointGate, StepOutcome
+from detection.gradstats import StatsConfig
 from detection.nonfinite import (
     CheckedCommHook,
     CommHook,
@@ -85,6 +86,7 @@ from detection.nonfinite import (
 )
 from detection.overflow import recompute_flagged
 from detection.replay import AutocastState, unwrap_ddp
+from detection.stepcheck import StepChecks
 from detection.vote import (
     VoteVerdict,
     all_gather_rows,
@@ -115,7 +117,8 @@ _W = slice(3, 5)  # weight fingerprint after the step
 _S = slice(5, 7)  # optimizer-state fingerprint after the step
 _OWN = slice(7, 10)  # own [loss bits, local-gradient fingerprint a, b]
 _REPLAY = slice(10, 13)  # the same three values recomputed for the partner
-_ROW = 13
+_STATE_NONFINITE = 13  # the per-step layer's optimizer-state flag after the update
+_ROW = 14
 
 
 class GuardError(RuntimeError):
@@ -154,6 +157,11 @@ class GuardConfig:
     ``calibrate``: audits that must come out clean (and reproduce each rank's own micro-batch)
     before the audit arms; until then a mismatch raises
     :class:`~detection.calibration.NotReplayableError` saying what to change, not an alarm.
+    ``step_checks``: the per-step layer (:mod:`detection.stepcheck`): gradient statistics, the
+    algebraic all-reduce check and the optimizer-state check on every step. On by default.
+    ``skip_update_on_alarm``: when that layer finds a step corrupted, drop its gradients before
+    ``optimizer.step`` on every rank, so the corrupted step never reaches the weights.
+    ``abft``: Linear checksums (forward rows, weight gradient), opt-in. ``stats``: the tuning.
     """
 
     audit_every: int = 0
@@ -164,6 +172,10 @@ class GuardConfig:
     inject: tuple[str, ...] = field(default_factory=tuple)
     micro_batches: int = 1
     calibrate: int = 0
+    step_checks: bool = True
+    skip_update_on_alarm: bool = False
+    abft: bool = False
+    stats: StatsConfig = field(default_factory=StatsConfig)
 
     def __post_init__(self) -> None:
         if self.audit_every < 0:
@@ -254,6 +266,8 @@ class _Step:
     batches: dict[int, Any] = field(default_factory=dict)  # own, when the loop passes batch=
     shipped: dict[int, Any] | None = None  # the partner's, received on audited steps
     scale: torch.Tensor | None = None  # the GradScaler scale of this step's backward
+    mean_loss: torch.Tensor | None = None  # Σ of the micro-batches' losses / micro_batches
+    overflow: bool = False  # non-finite gradients the GradScaler accounted for
     stepped: set[int] = field(default_factory=set)  # id() of the optimizers that stepped
 
 
@@ -356,12 +370,14 @@ class SDCGuard:
         self.injector = FaultInjector(specs, rank=self.rank, node=self.node) if specs else None
         if self.injector is not None:
             self.injector.bind(self.module)
+        self.checks = self._step_checks(comm_hook is None)
         self.hook = CheckedCommHook(
             self.params,
             process_group=self.group,
             inner=comm_hook,
             inner_state=comm_state,
             injector=self.injector,
+            observer=self.checks,
         )
         self.hook.register(ddp)
         self.replay = PartnerReplay(
@@ -410,6 +426,30 @@ class SDCGuard:
             raise GuardConfigError("ranks were given different GuardConfig values")
         return tuple(n for n, _, _, _ in everyone), [i for _, _, _, i in everyone]
 
+    def _step_checks(self, default_reduction: bool) -> StepChecks:
+        compiled = self.compiled_outer or isinstance(
+            self.module, torch._dynamo.eval_frame.OptimizedModule
+        )
+        if self.config.abft and self.config.step_checks and compiled:
+            raise GuardConfigError(
+                "GuardConfig(abft=True) checks nn.Linear through module hooks, which a compiled "
+                "model traces instead of calling: set abft=False for a torch.compile model (the "
+                "per-step statistics and the all-reduce check stay on), or guard the eager model"
+            )
+        return StepChecks(
+            module=self.module,
+            optimizers=self.optimizers,
+            params=self.params,
+            group=self.group,
+            world_size=self.world_size,
+            config=self.config.stats,
+            enabled=self.config.step_checks,
+            abft=self.config.abft,
+            skip_update=self.config.skip_update_on_alarm,
+            check_reduction=default_reduction,
+            extra=self._extra,
+        )
+
     def _require_determinism(self) -> None:
         if self.device.type == "cuda" and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
             raise GuardConfigError(
@@ -423,6 +463,7 @@ class SDCGuard:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.checks.close()
         if self.injector is not None:
             self.injector.close()
 
@@ -453,10 +494,12 @@ class SDCGuard:
             fingerprint_gradients=current.audit and self.config.mode is AuditMode.GRADIENT,
             inject=self.injector is not None and self.injector.any_active(),
         )
+        self.checks.begin_step()
         try:
             yield
             self._finish(current)
         finally:
+            self.checks.end_step()
             self.hook.end_step()
             if self.injector is not None:
                 self.injector.end_step()
@@ -505,6 +548,8 @@ class SDCGuard:
             current.batches[micro] = batch
         if micro == current.loss_micro:
             current.loss = loss.detach()
+        mean = loss.detach() / self.micro_batches
+        current.mean_loss = mean if current.mean_loss is None else current.mean_loss + mean
         if scaler is not None and scaler.is_enabled():
             scaled = scaler.scale(loss)
             current.scale = scaler._scale.detach().clone()  # type: ignore[union-attr]
@@ -516,6 +561,9 @@ class SDCGuard:
             # Whatever the loop draws before the next forward comes from a known state too.
             seed_rng(step_seed(self.config.seed, current.step, self.rank, micro + 1), self.device)
             return
+        # The reduced gradients are in: decide the per-step layer before any optimizer (handed
+        # to the guard or not) updates a weight, then replay the partner on unchanged weights.
+        self._check_before_update(current)
         if current.audit:
             self._run_audit(current)
 
@@ -570,12 +618,18 @@ class SDCGuard:
                 f"optimizer.step() after {current.micro} of {self.micro_batches} backward "
                 "calls: step the optimizer once, after the step's last guard.backward()"
             )
+        self._check_before_update(current)  # a no-op: the last backward decided it
 
     def _after_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")
         current.stepped.add(id(opt))
         if self.injector is not None and opt is self.optimizer:
             self.injector.after_optimizer_step(self.optimizer)
+
+    def _check_before_update(self, current: _Step) -> None:
+        """The per-step layer's verdict (collective, once per step: later calls are no-ops),
+        from the loss averaged over the step's micro-batches and the scale of its backward."""
+        self.checks.before_update(current.step, current.mean_loss, current.scale)
 
     def _micros(self, current: _Step) -> list[int]:
         if self.config.mode is AuditMode.LOSS:
@@ -654,6 +708,7 @@ class SDCGuard:
                 f"calls: set GuardConfig(micro_batches={current.micro}) or call guard.backward "
                 "once per micro-batch"
             )
+        self._check_before_update(current)  # no-ops: the last backward ran both
         self._run_audit(current)
         zero2 = torch.zeros(2, dtype=torch.int64, device=self.device)
         state_fp = zero2
@@ -671,6 +726,7 @@ class SDCGuard:
                 state_fp,
                 own,
                 replay,
+                self.checks.state_flag(),
             ]
         )
         rows = all_gather_rows(row, self.group)
@@ -738,6 +794,14 @@ class SDCGuard:
             if not audit.passed and not follows:
                 findings.append(self._audit_finding(audit))
 
+        findings = self.checks.merge(
+            findings,
+            [r[_STATE_NONFINITE] for r in rows],
+            known=known,
+            poisoned=poisoned,
+            nonfinite=nonfinite is not None or current.overflow,
+            make=_Finding,
+        )
         alarm = self._merge(step, findings)
         outcome = StepOutcome(
             step=step,
@@ -760,6 +824,7 @@ class SDCGuard:
         c.steps += 1
         c.votes += 1
         c.nonfinite_checks += 1
+        c.step_checks = self.checks.tested_steps
         if current.audit:
             c.audits += 1
             c.audits_passed += int(audit_passed)
@@ -805,12 +870,14 @@ class SDCGuard:
         flagged = list(nonfinite.pre_ranks)
         if len(flagged) == self.world_size:
             self.counters.overflow_steps += 1
+            current.overflow = True
             return None, {}
         finite = self._recompute_flagged(current, flagged)
         self.counters.overflow_resolutions += 1
         sdc = tuple(r for r in flagged if finite[r])
         if not sdc:
             self.counters.overflow_steps += 1
+            current.overflow = True
             return None, {}
         detail = {
             "scaler": "recomputed at the same scale on the auditor: finite, so not an overflow",
@@ -903,6 +970,7 @@ class SDCGuard:
 
     def _raise(self, alarm: Alarm) -> None:
         self.alarms.append(alarm)
+        self.counters.alarms += 1
         reporter = alarm.reporting_rank(self.world_size)
         extra = {
             **self._extra,

@@ -66,11 +66,22 @@ def test_reporting_rank_is_the_lowest_rank_not_suspected() -> None:
 
 
 def test_enums_carry_the_design_strings() -> None:
-    assert [str(x) for x in Layer] == ["nonfinite", "audit", "fingerprint"]
+    assert [str(x) for x in Layer] == [
+        "nonfinite",
+        "audit",
+        "fingerprint",
+        "gradstats",
+        "allreduce",
+        "optstate",
+        "abft",
+    ]
     assert [str(x) for x in Phase] == [
         "pre-allreduce",
         "post-allreduce",
         "loss",
         "gradient",
         "weights",
+        "optimizer-state",
+        "forward",
+        "backward",
     ]
