@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from detection.attribution import attribute_pairs
 from detection.faults import FaultInjector
 from detection.fingerprint import fingerprint_on_device
 
@@ -194,8 +195,8 @@ def encode_loss(loss: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class AuditVerdict:
     """Outcome of one ring audit. ``mismatches``: (auditor, audited) pairs whose recomputation
-    disagreed with the original; ``suspects``: ranks wrong both in their own result and in their
-    recomputation — or, if there is none, every rank of a disagreeing pair."""
+    disagreed with the original; ``suspects``: the ranks of the smallest node set explaining
+    them (see :mod:`detection.attribution`)."""
 
     mismatches: tuple[tuple[int, int], ...]
     suspects: tuple[int, ...]
@@ -209,24 +210,19 @@ def attribute_audit(
     partners: Sequence[int],
     own: Sequence[Sequence[int]],
     recomputed: Sequence[Sequence[int]],
+    nodes: Sequence[str] | None = None,
 ) -> AuditVerdict:
     """``own[x]``: rank x's original value; ``recomputed[r]``: rank r's value for
-    ``partners[r]``. A rank whose own result and whose recomputation of its partner both
-    disagree is the suspect (a persistent fault); a lone disagreeing pair cannot say which side
-    erred and names both."""
+    ``partners[r]``; ``nodes[r]``: rank r's node (``None``: one rank per node). The suspects are
+    the smallest set of nodes, then ranks, that explains every disagreeing pair
+    (:func:`detection.attribution.attribute_pairs`): a persistent fault is wrong in both roles
+    and named alone; a lone disagreeing pair cannot say which side erred and names both."""
     mismatches = tuple(
         (auditor, partner)
         for auditor, partner in enumerate(partners)
         if auditor != partner and tuple(recomputed[auditor]) != tuple(own[partner])
     )
-    if not mismatches:
-        return AuditVerdict((), ())
-    own_bad = {audited for _, audited in mismatches}
-    replay_bad = {auditor for auditor, _ in mismatches}
-    both = sorted(own_bad & replay_bad)
-    if both:
-        return AuditVerdict(mismatches, tuple(both))
-    return AuditVerdict(mismatches, tuple(sorted(own_bad | replay_bad)))
+    return AuditVerdict(mismatches, attribute_pairs(mismatches, nodes).ranks)
 
 
 # -- the replay ------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from detection.alarm import Alarm, Layer, Phase
+from detection.attribution import attribute_pairs
 from detection.audit import (
     AuditMode,
     AuditVerdict,
@@ -489,7 +490,7 @@ class SDCGuard:
         audit_passed = False
         if current.audit:
             audit = attribute_audit(
-                self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows]
+                self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows], self.nodes
             )
             audit_passed = audit.passed
             touched = known | self._diverged
@@ -558,7 +559,8 @@ class SDCGuard:
                 "mismatched_pairs": [{"auditor": a, "audited": b} for a, b in audit.mismatches],
                 "attribution": "a single disagreeing pair: either side may have erred"
                 if lone
-                else "ranks wrong both in their own result and in their recomputation",
+                else "the smallest set of nodes explaining every disagreeing pair",
+                **attribute_pairs(audit.mismatches, self.nodes).to_detail(),
             },
         )
 
