@@ -232,16 +232,20 @@ def gradient_fingerprint(
     params: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """The audit's fingerprint of a local gradient: Σ over DDP buckets of
-    ``fingerprint_on_device`` of that bucket's gradients (wrapping int64 sums). DDP assigns the
+    ``fingerprint_on_device`` of that bucket's gradients, each at its parameter's global
+    offset (wrapping int64 sums). DDP assigns the
     same buckets on every rank, so the rank that replays groups its gradients exactly as the
     original rank's comm hook saw them, with no copy of the gradient."""
+    offset = [0] * len(params)
+    for i in range(1, len(params)):
+        offset[i] = offset[i - 1] + params[i - 1].numel()
     total = torch.zeros(2, dtype=torch.int64, device=params[0].device)
     for bucket in partition:
         tensors = [
             g if g is not None else torch.zeros_like(params[i])
             for i, g in ((i, grads[i]) for i in bucket)
         ]
-        total = total + fingerprint_on_device(tensors)
+        total = total + fingerprint_on_device(tensors, offsets=[offset[i] for i in bucket])
     return total
 
 
