@@ -27,14 +27,19 @@ What runs where, per step:
 
 Everything before the all-gather stays on the device: no host copy of weights or gradients.
 
-Consequences are not new events: once the replicas' weights diverged, the same divergence at
-later steps (and audit mismatches involving the diverged ranks) is not raised again; non-finite
-gradients on consecutive steps (a NaN that reached the weights) are one event.
+Consequences are not new events, and nothing else is suppressed: once an alarm named replicas
+as diverged, the same divergence at later steps (and audit mismatches between replicas known to
+differ) is not raised again, while a new split among replicas still equal is; once a non-finite
+gradient was applied and the weights are actually non-finite, the steps computed from them are
+the same event. A non-finite gradient the loop skipped poisons nothing. Persistent buffers are
+checked where replicas must agree (:mod:`detection.buffercheck`) and are part of the checkpoint
+fingerprint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import socket
@@ -60,6 +65,7 @@ from detection.audit import (
     seed_rng,
     step_seed,
 )
+from detection.buffercheck import BUFFER_ROW, BufferWatch, buffer_finding
 from detection.faults import FaultInjector, FaultSpec
 from detection.fingerprint import Fingerprint, fingerprint_on_device
 from detection.gate import CheckpointGate, StepOutcome
@@ -70,9 +76,11 @@ from detection.nonfinite import (
     attribute_nonfinite,
 )
 from detection.vote import (
+    KnownDivergence,
     VoteVerdict,
     all_gather_rows,
     majority_vote,
+    model_state_tensors,
     optimizer_state_tensors,
     to_fingerprint,
     verify_after_load,
@@ -97,7 +105,10 @@ _W = slice(3, 5)  # weight fingerprint after the step
 _S = slice(5, 7)  # optimizer-state fingerprint after the step
 _OWN = slice(7, 10)  # own [loss bits, local-gradient fingerprint a, b]
 _REPLAY = slice(10, 13)  # the same three values recomputed for the partner
-_ROW = 13
+_NF = 13  # bit 0: optimizer.step ran; bit 1: weights non-finite (checked after a NaN step)
+_BUF = slice(14, 14 + BUFFER_ROW)  # persistent buffers (detection.buffercheck)
+_ROW = 14 + BUFFER_ROW
+_STEPPED, _WEIGHTS_NONFINITE = 1, 2
 
 
 class GuardError(RuntimeError):
@@ -128,7 +139,9 @@ class GuardConfig:
     alarm's step — while reading Adam's state would triple the vote's memory traffic. On, the
     alarm names the step that wrote the bad state, and also catches state that never reaches
     the weights (a second moment whose first moment stays zero).
-    ``halt_on_alarm``: set :attr:`SDCGuard.halted` after the step that raised an alarm.
+    ``halt_on_alarm`` (on by default): set :attr:`SDCGuard.halted` after the step that raised
+    an alarm, so the loop stops on weights that may be corrupt (``guard.step`` refuses further
+    steps). Off, the guard keeps checking and raises each new event once.
     ``inject``: fault specs (``--inject`` syntax) for tests and demos.
     """
 
@@ -136,7 +149,7 @@ class GuardConfig:
     audit_mode: AuditMode | str = AuditMode.LOSS
     seed: int = 0
     vote_optimizer_state: bool = False
-    halt_on_alarm: bool = False
+    halt_on_alarm: bool = True
     inject: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -173,6 +186,21 @@ class AlarmSink(Protocol):
     def send_alarm(self, body: dict[str, Any]) -> str: ...
 
     def register_ranks(self, ranks: list[dict[str, Any]]) -> None: ...
+
+
+def _any_nonfinite(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """1 (int64, on the device) when any floating-point parameter holds a NaN or an infinity."""
+    flags = [torch.isfinite(p.detach()).all() for p in params if p.is_floating_point()]
+    if not flags:
+        return torch.zeros((), dtype=torch.int64, device=params[0].device)
+    return (~torch.stack(flags).all()).to(torch.int64)
+
+
+def _state_fingerprint(weights: Sequence[int], buffers: Sequence[int]) -> Fingerprint:
+    """Weights plus buffers: buffers are numbered after the parameters, so the sum of the two
+    fingerprints is that of ``model_state_tensors`` (what a checkpoint holds)."""
+    w, b = to_fingerprint(*weights), to_fingerprint(*buffers)
+    return to_fingerprint(w.a + b.a, w.b + b.b)
 
 
 class _Finding(NamedTuple):
@@ -270,12 +298,21 @@ class SDCGuard:
         self.halted = False
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
-        self._nonfinite_open = False
-        self._diverged: frozenset[int] = frozenset()  # replicas known to differ (all: no majority)
+        self._poison_possible = False  # a non-finite step was applied: weights may be NaN
+        self._known = KnownDivergence()  # replicas known (alarmed) to hold different weights
+        self._replaying = False
+        self.state_tensors = model_state_tensors(self.module)
+        self.buffers = BufferWatch(
+            self.module,
+            start=sum(p.numel() for p in self.params),
+            broadcast=bool(getattr(model, "broadcast_buffers", True)),
+            rank=self.rank,
+            device=self.device,
+        )
         self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
 
         if self.config.mode is AuditMode.GRADIENT and self.audit_every:
-            self._require_determinism()
+            self._check_determinism_possible()
         specs = [FaultSpec.parse(s) for s in self.config.inject]
         self.injector = FaultInjector(specs, rank=self.rank, node=self.node) if specs else None
         if self.injector is not None:
@@ -301,6 +338,7 @@ class SDCGuard:
             optimizer.register_step_pre_hook(self._before_optimizer_step),
             optimizer.register_step_post_hook(self._after_optimizer_step),
             self.module.register_forward_pre_hook(self._before_forward),
+            self.module.register_forward_hook(self._after_forward),
         ]
         if sender is not None and self.rank == 0:
             sender.register_ranks(identities)
@@ -335,13 +373,27 @@ class SDCGuard:
             raise GuardConfigError("ranks were given different GuardConfig values")
         return tuple(n for n, _, _, _ in everyone), [i for _, _, _, i in everyone]
 
-    def _require_determinism(self) -> None:
+    def _check_determinism_possible(self) -> None:
+        """Deterministic kernels are switched on only for audited gradient steps (see
+        :meth:`_deterministic`); on CUDA they need cuBLAS configured before the process starts."""
         if self.device.type == "cuda" and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
             raise GuardConfigError(
                 "gradient audits on CUDA need deterministic cuBLAS: set "
                 "CUBLAS_WORKSPACE_CONFIG=:4096:8 before the process starts"
             )
+
+    @contextlib.contextmanager
+    def _deterministic(self, on: bool) -> Iterator[None]:
+        """Deterministic algorithms for one audited gradient step — original and replay alike,
+        so the replay is bitwise — and the faster defaults on every other step."""
+        if not on or torch.are_deterministic_algorithms_enabled():
+            yield
+            return
         torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(False)
 
     def close(self) -> None:
         """Remove the guard's module and optimizer hooks (DDP cannot unregister a comm hook)."""
@@ -364,13 +416,16 @@ class SDCGuard:
         seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
         if self.injector is not None:
             self.injector.begin_step(step)
+        gradient_audit = current.audit and self.config.mode is AuditMode.GRADIENT
         self.hook.begin_step(
-            fingerprint_gradients=current.audit and self.config.mode is AuditMode.GRADIENT,
+            fingerprint_gradients=gradient_audit,
             inject=self.injector is not None and self.injector.any_active(),
         )
+        self.buffers.begin_step()
         try:
-            yield
-            self._finish(current)
+            with self._deterministic(gradient_audit):
+                yield
+                self._finish(current)
         finally:
             self.hook.end_step()
             if self.injector is not None:
@@ -389,7 +444,8 @@ class SDCGuard:
     def verify_loaded(self, expected: Fingerprint | str) -> Fingerprint:
         """After loading a checkpoint: every replica's weights equal the recorded fingerprint
         (collective; raises :class:`~detection.vote.LoadVerificationError`)."""
-        return verify_after_load(self.params, expected, self.group)
+        self.buffers.forget_previous()
+        return verify_after_load(self.state_tensors, expected, self.group)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _require_step(self, what: str) -> _Step:
@@ -398,11 +454,17 @@ class SDCGuard:
         return self._current
 
     def _before_forward(self, _module: nn.Module, _args: Any) -> None:
+        if not self._replaying:
+            self.buffers.forward_started(self._current is not None)
         current = self._current
         if current is not None and current.audit and not current.snapshot_taken:
             # The original forward, after DDP's buffer broadcast: the replay starts from here.
             current.snapshot_taken = True
             self.replay.buffers.capture()
+
+    def _after_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if not self._replaying:
+            self.buffers.forward_finished(self._current is not None)
 
     def _before_optimizer_step(self, _opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")
@@ -421,7 +483,11 @@ class SDCGuard:
             return
         if not current.snapshot_taken and not self.replay.buffers.empty:
             raise GuardUsageError("no forward pass of the model inside this guarded step")
-        current.replay = self.replay.run(current.step, self.hook.partition())
+        self._replaying = True
+        try:
+            current.replay = self.replay.run(current.step, self.hook.partition())
+        finally:
+            self._replaying = False
 
     # -- the decision ------------------------------------------------------------------------------
     def _finish(self, current: _Step) -> None:
@@ -436,14 +502,25 @@ class SDCGuard:
                 state_fp = fingerprint_on_device(state).to(self.device)
         own = torch.cat([encode_loss(current.loss), self.hook.gradient_fingerprint()])
         replay = current.replay if current.replay is not None else torch.zeros_like(own)
+        nf = torch.full(
+            (1,),
+            _STEPPED if current.optimizer_stepped else 0,
+            dtype=torch.int64,
+            device=self.device,
+        )
+        if self._poison_possible:  # only after a non-finite step was applied: costs a pass
+            nf = nf + _WEIGHTS_NONFINITE * _any_nonfinite(self.params)
         row = torch.cat(
             [
-                torch.tensor([current.step], dtype=torch.int64, device=self.device),
+                # a fill, not torch.tensor(..., device=): no host-to-device copy, no sync
+                torch.full((1,), current.step, dtype=torch.int64, device=self.device),
                 self.hook.flags(),
                 fingerprint_on_device(self.params).to(self.device),
                 state_fp,
                 own,
                 replay,
+                nf,
+                self.buffers.row(),
             ]
         )
         rows = all_gather_rows(row, self.group)
@@ -453,39 +530,51 @@ class SDCGuard:
         """Turn the gathered rows into at most one alarm and a step outcome — the same on every
         rank, since every rank sees the same rows.
 
-        What follows from an event already raised is the same event, not a new one: replicas
-        known to have diverged compute garbage from then on (their non-finite gradients, audit
-        mismatches and further divergence are theirs), and a NaN that reached the weights makes
-        every later step non-finite.
+        Only what truly follows from an alarmed event is not raised again: once a non-finite
+        gradient was applied and the weights are actually non-finite, everything computed from
+        them is (``poisoned``); replicas an alarm named as holding different weights
+        (:class:`~detection.vote.KnownDivergence`) disagree from then on, so their further
+        divergence, audit mismatches between them, and non-finite local gradients of replicas
+        a majority named as wrong are theirs. Everything else is checked
+        every step: a non-finite gradient the loop skipped poisons nothing, and a divergence
+        without a majority leaves every class of equal replicas under watch.
         """
         step = current.step
         if any(r[_STEP] != step for r in rows):
             raise GuardUsageError(f"ranks are at different steps: {[r[_STEP] for r in rows]}")
-        known, poisoned = self._diverged, self._nonfinite_open
+        poisoned = self._poison_possible and any(r[_NF] & _WEIGHTS_NONFINITE for r in rows)
         findings: list[_Finding] = []
 
         nonfinite = attribute_nonfinite(
             [bool(r[_PRE]) for r in rows], [bool(r[_POST]) for r in rows]
         )
-        self._nonfinite_open = nonfinite is not None
-        follows = nonfinite is not None and (
-            poisoned or (set(nonfinite.pre_ranks) <= known if nonfinite.pre_ranks else bool(known))
+        stepped = any(r[_NF] & _STEPPED for r in rows)
+        self._poison_possible = nonfinite is not None and (stepped or poisoned)
+        wrong = self._known.minority()  # replicas an alarm named as holding wrong weights
+        follows = poisoned or (
+            nonfinite is not None
+            and bool(nonfinite.pre_ranks)
+            and set(nonfinite.pre_ranks) <= wrong
         )
         if nonfinite is not None and not follows:
             findings.append(_nonfinite_finding(nonfinite))
 
         weights = [tuple(r[_W]) for r in rows]
         states = [tuple(r[_S]) for r in rows]
-        verdict = majority_vote([w + s for w, s in zip(weights, states, strict=True)])
+        values = [w + s for w, s in zip(weights, states, strict=True)]
+        verdict = majority_vote(values)
+        known_before = copy.copy(self._known)
+        new_divergence = False
         if verdict.unanimous:
             if nonfinite is None:  # equal again (not merely equally NaN): forget the divergence
-                self._diverged = frozenset()
-        else:
-            everyone = frozenset(range(self.world_size))
-            now = frozenset(verdict.divergent) if verdict.culprit_known else everyone
-            if not poisoned and not now <= known and not (known and now == everyone):
-                findings.append(self._vote_finding(verdict, weights, states))
-            self._diverged = known | now
+                self._known.clear()
+        elif not poisoned and self._known.is_new(values):
+            findings.append(self._vote_finding(verdict, weights, states))
+            new_divergence = True
+
+        buffers = buffer_finding([r[_BUF] for r in rows], self.buffers.broadcast)
+        if buffers is not None and not poisoned:
+            findings.append(_Finding(Layer.FINGERPRINT, Phase.WEIGHTS, buffers[0], buffers[1]))
 
         audit_passed = False
         if current.audit:
@@ -493,21 +582,19 @@ class SDCGuard:
                 self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows], self.nodes
             )
             audit_passed = audit.passed
-            touched = known | self._diverged
-            follows = (
-                poisoned
-                or follows
-                or all(a in touched or b in touched for a, b in audit.mismatches)
-            )
+            follows = poisoned or all(known_before.apart(a, b) for a, b in audit.mismatches)
             if not audit.passed and not follows:
                 findings.append(self._audit_finding(audit))
 
         alarm = self._merge(step, findings)
+        if new_divergence and alarm is not None:
+            self._known.record(values)  # known only once alarmed
+        own = rows[self.rank]
         outcome = StepOutcome(
             step=step,
             ranks=tuple(range(self.world_size)),
-            fingerprint=to_fingerprint(*rows[self.rank][_W]),
-            vote_passed=verdict.unanimous,
+            fingerprint=_state_fingerprint(own[_W], own[_BUF][2:4]),
+            vote_passed=verdict.unanimous and buffers is None,
             audit=self.config.mode if current.audit else None,
             audit_passed=audit_passed,
             alarm=alarm,
