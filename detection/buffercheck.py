@@ -33,17 +33,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from detection.fingerprint import fingerprint_on_device
+from detection.fingerprint import FingerprintPlan
 from detection.vote import majority_vote, persistent_buffers, to_fingerprint
 
 __all__ = ["BUFFER_ROW", "BufferWatch", "buffer_finding"]
 
-# Row layout of a rank's buffer evidence: fingerprint after DDP's broadcast (a, b), own
-# end-of-step fingerprint (a, b), flags (bit 0: changed after the last forward; bit 1: changed
-# between the previous step and this one's first forward).
-BUFFER_ROW = 5
-_CHANGED_AFTER_FORWARD = 1
-_CHANGED_BETWEEN_STEPS = 2
+# Row layout of a rank's buffer evidence, int64 pairs (a, b): the fingerprint right after DDP's
+# broadcast, the rank's own end-of-step fingerprint, (after the last forward) - (end of step),
+# and (end of the previous step) - (after the broadcast). A difference is non-zero exactly when
+# the buffers changed: plain subtractions, the cheapest device ops there are.
+BUFFER_ROW = 8
 
 
 class BufferWatch:
@@ -59,13 +58,15 @@ class BufferWatch:
         device: torch.device,
     ) -> None:
         self.buffers = persistent_buffers(module)
-        self._start = start  # global position of the first buffer: after the parameters
+        # buffers are numbered after the parameters (``start``): one global numbering
+        self._plan = FingerprintPlan(self.buffers, start=start)
         self._broadcast = broadcast
         self._source = not broadcast or rank == 0
         self._device = device
         self._at_broadcast: torch.Tensor | None = None
         self._after_forward: torch.Tensor | None = None
         self._previous_end: torch.Tensor | None = None
+        self._zeros = torch.zeros(2, dtype=torch.int64, device=device)
 
     @property
     def broadcast(self) -> bool:
@@ -73,7 +74,7 @@ class BufferWatch:
         return self._broadcast
 
     def _fingerprint(self) -> torch.Tensor:
-        return fingerprint_on_device(self.buffers, start=self._start).to(self._device)
+        return self._plan().to(self._device)
 
     def begin_step(self) -> None:
         self._at_broadcast = None
@@ -105,17 +106,14 @@ class BufferWatch:
         if not self.buffers:
             return torch.zeros(BUFFER_ROW, dtype=torch.int64, device=self._device)
         end = self._fingerprint()
-        flags = torch.zeros((), dtype=torch.int64, device=self._device)
-        if self._after_forward is not None:
-            changed = (self._after_forward != end).any().to(torch.int64)
-            flags = flags + _CHANGED_AFTER_FORWARD * changed
+        zero2 = self._zeros
+        after = self._after_forward - end if self._after_forward is not None else zero2
+        between = zero2
         if self._source and self._previous_end is not None and self._at_broadcast is not None:
-            changed = (self._previous_end != self._at_broadcast).any().to(torch.int64)
-            flags = flags + _CHANGED_BETWEEN_STEPS * changed
+            between = self._previous_end - self._at_broadcast
         self._previous_end = end
-        zero2 = torch.zeros(2, dtype=torch.int64, device=self._device)
         received = self._at_broadcast if self._broadcast else None
-        return torch.cat([received if received is not None else zero2, end, flags.reshape(1)])
+        return torch.cat([received if received is not None else zero2, end, after, between])
 
 
 def buffer_finding(
@@ -123,8 +121,8 @@ def buffer_finding(
 ) -> tuple[tuple[int, ...], dict[str, Any]] | None:
     """``(suspect ranks, alarm detail)`` from every rank's buffer row, or ``None`` when all
     three invariants hold."""
-    after_forward = tuple(r for r, row in enumerate(rows) if row[4] & _CHANGED_AFTER_FORWARD)
-    between = tuple(r for r, row in enumerate(rows) if row[4] & _CHANGED_BETWEEN_STEPS)
+    after_forward = tuple(r for r, row in enumerate(rows) if row[4] or row[5])
+    between = tuple(r for r, row in enumerate(rows) if row[6] or row[7])
     received = [tuple(row[0:2]) for row in rows]
     verdict = majority_vote(received) if broadcast else None
     split = verdict is not None and not verdict.unanimous

@@ -67,7 +67,7 @@ from detection.audit import (
 )
 from detection.buffercheck import BUFFER_ROW, BufferWatch, buffer_finding
 from detection.faults import FaultInjector, FaultSpec
-from detection.fingerprint import Fingerprint, fingerprint_on_device
+from detection.fingerprint import Fingerprint, FingerprintPlan, fingerprint_on_device
 from detection.gate import CheckpointGate, StepOutcome
 from detection.nonfinite import (
     CheckedCommHook,
@@ -302,6 +302,8 @@ class SDCGuard:
         self._known = KnownDivergence()  # replicas known (alarmed) to hold different weights
         self._replaying = False
         self.state_tensors = model_state_tensors(self.module)
+        self._weights_fingerprint = FingerprintPlan(self.params)
+        self._zeros = torch.zeros(3, dtype=torch.int64, device=self.device)  # never written
         self.buffers = BufferWatch(
             self.module,
             start=sum(p.numel() for p in self.params),
@@ -494,14 +496,14 @@ class SDCGuard:
         if current.loss is None:
             raise GuardUsageError("the step's loss never went through guard.backward()")
         self._run_audit(current)  # when the loop skipped optimizer.step(), weights are unchanged
-        zero2 = torch.zeros(2, dtype=torch.int64, device=self.device)
+        zero2 = self._zeros[:2]
         state_fp = zero2
         if self.config.vote_optimizer_state:
             state = optimizer_state_tensors(self.optimizer, self.params)
             if state:
                 state_fp = fingerprint_on_device(state).to(self.device)
         own = torch.cat([encode_loss(current.loss), self.hook.gradient_fingerprint()])
-        replay = current.replay if current.replay is not None else torch.zeros_like(own)
+        replay = current.replay if current.replay is not None else self._zeros[:3]
         nf = torch.full(
             (1,),
             _STEPPED if current.optimizer_stepped else 0,
@@ -515,7 +517,7 @@ class SDCGuard:
                 # a fill, not torch.tensor(..., device=): no host-to-device copy, no sync
                 torch.full((1,), current.step, dtype=torch.int64, device=self.device),
                 self.hook.flags(),
-                fingerprint_on_device(self.params).to(self.device),
+                self._weights_fingerprint().to(self.device),
                 state_fp,
                 own,
                 replay,

@@ -351,3 +351,23 @@ def test_kernel_choice_is_validated() -> None:
     assert fp.get_kernel() is Kernel.EAGER
     with pytest.raises(ValueError, match="bogus"):
         fp.set_kernel("bogus")
+
+
+def test_a_plan_equals_the_one_shot_fingerprint_and_follows_the_live_tensors() -> None:
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(25)
+    layer = torch.nn.Linear(7, 5)
+    counter = torch.zeros((), dtype=torch.int64)
+    tensors = [layer.weight, layer.bias, counter, random_bits((4,), torch.bfloat16, gen)]
+    plan = fp.FingerprintPlan(tensors, start=3)
+    assert torch.equal(plan(), fingerprint_on_device(tensors, start=3))
+    assert fingerprint_from_tensor(plan()) == reference(tensors, [3, 38, 43, 44])
+    with torch.no_grad():
+        layer.weight.view(-1)[4] += 1.0  # in place: the same storage
+    counter += 1
+    assert torch.equal(plan(), fingerprint_on_device(tensors, start=3))
+    layer.bias.data = torch.randn(5, generator=gen)  # replaced storage: the plan rebuilds
+    assert torch.equal(plan(), fingerprint_on_device(tensors, start=3))
+    transposed = [random_bits((3, 4), torch.float32, gen).t()]  # not contiguous: no cached view
+    assert torch.equal(fp.FingerprintPlan(transposed)(), fingerprint_on_device(transposed))
+    assert torch.equal(fp.FingerprintPlan([])(), torch.zeros(2, dtype=torch.int64))
