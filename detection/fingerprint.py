@@ -122,7 +122,7 @@ _HEX = frozenset(string.hexdigits)
 _WORD_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WORD_MASK = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
 # Positions the eager kernel keeps a multiplier table for (8 bytes each, per device).
-_TABLE_MAX = 1 << 21
+_TABLE_MAX = 1 << 22  # = _FUSED_MIN_ELEMENTS: under auto, lists never take the chunked path
 # Words per eager step: two int64 temporaries of this length (4 MiB) bound the overhead.
 _CHUNK = 1 << 18
 _GPU_CHUNK = 1 << 22  # 32 MiB int64 temporaries: a GPU has the memory, launches cost
