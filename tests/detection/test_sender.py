@@ -322,12 +322,14 @@ def test_a_refused_signature_keeps_the_alarm_spooled_until_the_key_is_right(
     sender = AlarmSender(
         webhook.url, "not-the-secret", JOB, spool, backoff_initial_s=0.01, backoff_max_s=0.02
     )
-    with sender:
+    try:
         alarm_id = sender.send_alarm(alarm(0))
         with webhook.changed:
             assert webhook.changed.wait_for(lambda: len(webhook.forged) >= 3, timeout=20)
         assert not sender.flush(0.05)
         assert sender.pending() == 1
+    finally:
+        sender.close(timeout_s=0.0)
     assert not any((spool / "dead").iterdir())
     assert set(webhook.forged) == {"signature does not match"}
     result = drain_spool(spool, webhook.url, SECRET, timeout_s=20, backoff_initial_s=0.01)

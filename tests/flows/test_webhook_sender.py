@@ -90,11 +90,14 @@ def test_a_sender_with_the_wrong_secret_writes_nothing_and_loses_nothing(
     alarm = Alarm.for_ranks(5, Layer.NONFINITE, Phase.PRE_ALLREDUCE, [1], NODES, {})
     before = row_counts(webhook.ledger)
 
-    with AlarmSender(
+    sender = AlarmSender(
         webhook.url, "a-different-secret-0123456789", JOB, spool, backoff_initial_s=0.01
-    ) as sender:
+    )
+    try:
         alarm_id = sender.send_alarm(alarm.to_webhook(JOB, 0, "node-0"))
         assert not sender.flush(0.5)
+    finally:
+        sender.close(timeout_s=0.0)  # the job ends with the alarm still spooled
 
     assert _dead_letters(spool) == []
     assert row_counts(webhook.ledger) == before
