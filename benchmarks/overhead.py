@@ -28,6 +28,11 @@ checks in the reference implementation.
 ``--loop-paths 1`` adds the rows of the loop patterns — autocast, gradient accumulation, batch
 shipping — and the replay's peak extra memory (``benchmarks/loop_paths.py``).
 
+A second run repeats every variant on a small model (``--small-*``, about 20K parameters by
+default and at most 0.5M), where a step takes milliseconds and what sdcguard adds per step
+whatever the model — fingerprint launches, the all-gather, the host synchronisation — dominates;
+each table prints that fixed per-step cost in ms (median of ``checks - plain`` per round).
+
 Run ``python benchmarks/overhead.py --help`` for the knobs; the defaults take a few minutes on
 two cores, most of it the one-time compilation of the fingerprint kernel in each rank.
 """
@@ -74,6 +79,10 @@ ROWS = (
 )
 
 
+SMALL_ROW = ("small model: checks only", "checks", 0, None, 1.05)
+SMALL_MAX_PARAMS = 500_000
+
+
 @dataclass(frozen=True)
 class Bench:
     world_size: int = 2
@@ -89,6 +98,28 @@ class Bench:
     batch: int = 4
     loop_paths: int = 0  # 1: also the loop-pattern rows (benchmarks/loop_paths.py)
     loop_rounds: int = 20
+    small_vocab: int = 64
+    small_d_model: int = 32
+    small_n_heads: int = 2
+    small_n_layers: int = 1
+    small_seq_len: int = 16
+    small_rounds: int = 200
+
+    def small(self) -> Bench:
+        """The same benchmark on the small model."""
+        return Bench(
+            world_size=self.world_size,
+            threads=self.threads,
+            rounds=self.small_rounds,
+            warmup=max(self.warmup, 5),
+            kernel=self.kernel,
+            vocab=self.small_vocab,
+            d_model=self.small_d_model,
+            n_heads=self.small_n_heads,
+            n_layers=self.small_n_layers,
+            seq_len=self.small_seq_len,
+            batch=self.batch,
+        )
 
     def model(self) -> ModelConfig:
         return ModelConfig(
@@ -216,7 +247,11 @@ def _ratio(samples: list[dict[str, float]], variant: str, every: int) -> float:
     return statistics.median(((k - 1) * s["checks"] + s[variant]) / k / s["plain"] for s in samples)
 
 
-def _table(bench: Bench, result: dict[str, Any]) -> str:
+def _fixed_ms(samples: list[dict[str, float]]) -> float:
+    return statistics.median(s["checks"] - s["plain"] for s in samples)
+
+
+def _table(bench: Bench, result: dict[str, Any], rows: tuple[Any, ...] = ROWS) -> str:
     wall, cpu = result["samples"]["wall"], result["samples"]["cpu"]
 
     def medians(samples: list[dict[str, float]]) -> str:
@@ -233,11 +268,13 @@ def _table(bench: Bench, result: dict[str, Any]) -> str:
         f"median step wall ms: {medians(wall)}",
         f"median step CPU ms (rank 0, all threads): {medians(cpu)}",
         f"alarms raised during the benchmark: {result['alarms']}",
+        f"fixed per-step cost of the checks (median checks - plain): "
+        f"{_fixed_ms(wall):.3f} ms wall, {_fixed_ms(cpu):.3f} ms CPU",
         "ratios: median over rounds of (sdcguard step / plain step of the same round)",
         "",
         f"{'':32} {'wall':>7} {'CPU':>7} {'target':>7} {'AWS ref':>8}  met (CPU)",
     ]
-    for label, variant, every, reference, target in ROWS:
+    for label, variant, every, reference, target in rows:
         r_wall, r_cpu = _ratio(wall, variant, every), _ratio(cpu, variant, every)
         row = f"{label:32} {r_wall:7.3f} {r_cpu:7.3f}"
         if target is not None:
@@ -255,15 +292,24 @@ def main(argv: list[str] | None = None) -> int:
         kind = type(value)
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
     parser.add_argument("--dump", type=Path, default=None, help="write the raw samples here")
+    parser.add_argument("--small-only", action="store_true", help="only the small-model run")
     args = parser.parse_args(argv)
-    bench = Bench(**{k: v for k, v in vars(args).items() if k != "dump"})
+    options = {k: v for k, v in vars(args).items() if k not in ("dump", "small_only")}
+    bench = Bench(**options)
     started = time.monotonic()
-    result = _run(bench)
-    if args.dump is not None:
-        args.dump.write_text(json.dumps(result))
-    print(_table(bench, result))
-    if result.get("loops"):
-        print(loop_paths.table(result["loops"]))
+    if not args.small_only:
+        result = _run(bench)
+        if args.dump is not None:
+            args.dump.write_text(json.dumps(result))
+        print(_table(bench, result))
+        if result.get("loops"):
+            print(loop_paths.table(result["loops"]))
+    small = bench.small()
+    small_result = _run(small)
+    if small_result["params"] > SMALL_MAX_PARAMS:
+        raise SystemExit(f"the small model has {small_result['params']:,} parameters (> 0.5M)")
+    print()
+    print(_table(small, small_result, (SMALL_ROW, *ROWS)))
     print(f"(took {time.monotonic() - started:.0f} s)")
     return 0
 

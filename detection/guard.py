@@ -33,14 +33,19 @@ What runs where, per step:
 
 Everything before the all-gather stays on the device: no host copy of weights or gradients.
 
-Consequences are not new events: once the replicas' weights diverged, the same divergence at
-later steps (and audit mismatches involving the diverged ranks) is not raised again; non-finite
-gradients on consecutive steps (a NaN that reached the weights) are one event.
+Consequences are not new events, and nothing else is suppressed: once an alarm named replicas
+as diverged, the same divergence at later steps (and audit mismatches between replicas known to
+differ) is not raised again, while a new split among replicas still equal is; once a non-finite
+gradient was applied and the weights are actually non-finite, the steps computed from them are
+the same event. A non-finite gradient the loop skipped poisons nothing. Persistent buffers are
+checked where replicas must agree (:mod:`detection.buffercheck`) and are part of the checkpoint
+fingerprint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -55,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 from detection.alarm import Alarm, Layer, Phase
+from detection.attribution import attribute_pairs
 from detection.audit import (
     AuditMode,
     AuditVerdict,
@@ -67,6 +73,7 @@ from detection.audit import (
     step_seed,
 )
 from detection.batches import exchange_batches
+from detection.buffercheck import BUFFER_ROW, BufferWatch, buffer_finding
 from detection.calibration import (
     GuardCounters,
     NotReplayableError,
@@ -75,7 +82,7 @@ from detection.calibration import (
     replay_environment,
 )
 from detection.faults import FaultInjector, FaultSpec
-from detection.fingerprint import Fingerprint, fingerprint_on_device
+from detection.fingerprint import Fingerprint, FingerprintPlan, fingerprint_on_device
 from detection.gate import CheckpointGate, StepOutcome
 from detection.gradstats import StatsConfig
 from detection.nonfinite import (
@@ -88,10 +95,12 @@ from detection.overflow import recompute_flagged
 from detection.replay import AutocastState, unwrap_ddp
 from detection.stepcheck import StepChecks
 from detection.vote import (
+    KnownDivergence,
     VoteVerdict,
     all_gather_rows,
     majority_vote,
     optimizer_state_tensors,
+    persistent_buffers,
     to_fingerprint,
     verify_after_load,
 )
@@ -117,8 +126,12 @@ _W = slice(3, 5)  # weight fingerprint after the step
 _S = slice(5, 7)  # optimizer-state fingerprint after the step
 _OWN = slice(7, 10)  # own [loss bits, local-gradient fingerprint a, b]
 _REPLAY = slice(10, 13)  # the same three values recomputed for the partner
-_STATE_NONFINITE = 13  # the per-step layer's optimizer-state flag after the update
-_ROW = 14
+_NF = 13  # flags: optimizer.step ran, weights non-finite, optimizer state non-finite
+_BUF = slice(14, 14 + BUFFER_ROW)  # persistent buffers (detection.buffercheck)
+_ROW = 14 + BUFFER_ROW
+# bits of _NF: weights are checked only after a non-finite step was applied; the state flag is
+# the per-step layer's (detection.optstate), after the update
+_STEPPED, _WEIGHTS_NONFINITE, _STATE_NONFINITE = 1, 2, 4
 
 
 class GuardError(RuntimeError):
@@ -149,7 +162,9 @@ class GuardConfig:
     alarm's step — while reading Adam's state would triple the vote's memory traffic. On, the
     alarm names the step that wrote the bad state, and also catches state that never reaches
     the weights (a second moment whose first moment stays zero).
-    ``halt_on_alarm``: set :attr:`SDCGuard.halted` after the step that raised an alarm.
+    ``halt_on_alarm`` (on by default): set :attr:`SDCGuard.halted` after the step that raised
+    an alarm, so the loop stops on weights that may be corrupt (``guard.step`` refuses further
+    steps). Off, the guard keeps checking and raises each new event once.
     ``inject``: fault specs (``--inject`` syntax) for tests and demos.
     ``micro_batches``: ``guard.backward`` calls per step (gradient accumulation: ``no_sync``
     around all but the last); a loss audit replays one of them (a different one each audit),
@@ -168,7 +183,7 @@ class GuardConfig:
     audit_mode: AuditMode | str = AuditMode.LOSS
     seed: int = 0
     vote_optimizer_state: bool = False
-    halt_on_alarm: bool = False
+    halt_on_alarm: bool = True
     inject: tuple[str, ...] = field(default_factory=tuple)
     micro_batches: int = 1
     calibrate: int = 0
@@ -215,6 +230,21 @@ class AlarmSink(Protocol):
     def send_alarm(self, body: dict[str, Any]) -> str: ...
 
     def register_ranks(self, ranks: list[dict[str, Any]]) -> None: ...
+
+
+def _any_nonfinite(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """1 (int64, on the device) when any floating-point parameter holds a NaN or an infinity."""
+    flags = [torch.isfinite(p.detach()).all() for p in params if p.is_floating_point()]
+    if not flags:
+        return torch.zeros((), dtype=torch.int64, device=params[0].device)
+    return (~torch.stack(flags).all()).to(torch.int64)
+
+
+def _state_fingerprint(weights: Sequence[int], buffers: Sequence[int]) -> Fingerprint:
+    """Weights plus buffers: buffers are numbered after the parameters, so the sum of the two
+    fingerprints is that of ``model_state_tensors`` (what a checkpoint holds)."""
+    w, b = to_fingerprint(*weights), to_fingerprint(*buffers)
+    return to_fingerprint(w.a + b.a, w.b + b.b)
 
 
 class _Finding(NamedTuple):
@@ -359,13 +389,28 @@ class SDCGuard:
         self.halted = False
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
-        self._nonfinite_open = False
-        self._diverged: frozenset[int] = frozenset()  # replicas known to differ (all: no majority)
+        self._poison_possible = False  # a non-finite step was applied: weights may be NaN
+        self._known = KnownDivergence()  # replicas known (alarmed) to hold different weights
         self._replay_seed: int | None = None
+        # What a checkpoint holds and the vote covers: the synchronised parameters, then the
+        # persistent buffers, numbered after them in one global numbering.
+        voted_numel = sum(p.numel() for p in self.voted)
+        self.state_tensors = [*self.voted, *persistent_buffers(self.module)]
+        self._weights_fingerprint = FingerprintPlan(self.voted)
+        self._zeros = torch.zeros(3, dtype=torch.int64, device=self.device)  # never written
+        # Around a compiled DDP the forward pre-hook runs before DDP's buffer broadcast: each
+        # rank then checks its own buffers across steps, and there is nothing to vote on there.
+        self.buffers = BufferWatch(
+            self.module,
+            start=voted_numel,
+            broadcast=bool(getattr(ddp, "broadcast_buffers", True)) and not self.compiled_outer,
+            rank=self.rank,
+            device=self.device,
+        )
         self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
 
         if self.config.mode is AuditMode.GRADIENT and self.audit_every:
-            self._require_determinism()
+            self._check_determinism_possible()
         specs = [FaultSpec.parse(s) for s in self.config.inject]
         self.injector = FaultInjector(specs, rank=self.rank, node=self.node) if specs else None
         if self.injector is not None:
@@ -391,7 +436,10 @@ class SDCGuard:
             micro_batches=self.micro_batches,
             on_seed=self._set_replay_seed,
         )
-        self._handles = [hooked.register_forward_pre_hook(self._before_forward)]
+        self._handles = [
+            hooked.register_forward_pre_hook(self._before_forward),
+            hooked.register_forward_hook(self._after_forward),
+        ]
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(opt.register_step_post_hook(self._after_optimizer_step))
@@ -450,13 +498,27 @@ class SDCGuard:
             extra=self._extra,
         )
 
-    def _require_determinism(self) -> None:
+    def _check_determinism_possible(self) -> None:
+        """Deterministic kernels are switched on only for audited gradient steps (see
+        :meth:`_deterministic`); on CUDA they need cuBLAS configured before the process starts."""
         if self.device.type == "cuda" and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
             raise GuardConfigError(
                 "gradient audits on CUDA need deterministic cuBLAS: set "
                 "CUBLAS_WORKSPACE_CONFIG=:4096:8 before the process starts"
             )
+
+    @contextlib.contextmanager
+    def _deterministic(self, on: bool) -> Iterator[None]:
+        """Deterministic algorithms for one audited gradient step — original and replay alike,
+        so the replay is bitwise — and the faster defaults on every other step."""
+        if not on or torch.are_deterministic_algorithms_enabled():
+            yield
+            return
         torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(False)
 
     def close(self) -> None:
         """Remove the guard's module and optimizer hooks (DDP cannot unregister a comm hook)."""
@@ -490,14 +552,17 @@ class SDCGuard:
         seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
         if self.injector is not None:
             self.injector.begin_step(step)
+        gradient_audit = current.audit and self.config.mode is AuditMode.GRADIENT
         self.hook.begin_step(
-            fingerprint_gradients=current.audit and self.config.mode is AuditMode.GRADIENT,
+            fingerprint_gradients=gradient_audit,
             inject=self.injector is not None and self.injector.any_active(),
         )
         self.checks.begin_step()
+        self.buffers.begin_step()
         try:
-            yield
-            self._finish(current)
+            with self._deterministic(gradient_audit):
+                yield
+                self._finish(current)
         finally:
             self.checks.end_step()
             self.hook.end_step()
@@ -570,7 +635,8 @@ class SDCGuard:
     def verify_loaded(self, expected: Fingerprint | str) -> Fingerprint:
         """After loading a checkpoint: every replica's weights equal the recorded fingerprint
         (collective; raises :class:`~detection.vote.LoadVerificationError`)."""
-        return verify_after_load(self.voted, expected, self.group)
+        self.buffers.forget_previous()
+        return verify_after_load(self.state_tensors, expected, self.group)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _require_step(self, what: str) -> _Step:
@@ -592,6 +658,7 @@ class SDCGuard:
                 seed_rng(self._replay_seed, self.device)
                 self._replay_seed = None
             return
+        self.buffers.forward_started(self._current is not None)
         current = self._current
         if current is None or current.micro >= self.micro_batches:
             return
@@ -605,6 +672,10 @@ class SDCGuard:
         if current.audit and micro == first:
             # The original forward, after DDP's buffer broadcast: the replay starts from here.
             self.replay.buffers.capture()
+
+    def _after_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if not self.replay.active:
+            self.buffers.forward_finished(self._current is not None)
 
     def _before_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")
@@ -710,23 +781,34 @@ class SDCGuard:
             )
         self._check_before_update(current)  # no-ops: the last backward ran both
         self._run_audit(current)
-        zero2 = torch.zeros(2, dtype=torch.int64, device=self.device)
+        zero2 = self._zeros[:2]
         state_fp = zero2
         if self.config.vote_optimizer_state:
             state = [t for opt in self.optimizers for t in optimizer_state_tensors(opt, self.voted)]
             if state:
                 state_fp = fingerprint_on_device(state).to(self.device)
         own = torch.cat([encode_loss(current.loss), self.hook.gradient_fingerprint()])
-        replay = current.replay if current.replay is not None else torch.zeros_like(own)
+        replay = current.replay if current.replay is not None else self._zeros[:3]
+        nf = torch.full(
+            (1,),
+            _STEPPED if current.stepped else 0,
+            dtype=torch.int64,
+            device=self.device,
+        )
+        if self._poison_possible:  # only after a non-finite step was applied: costs a pass
+            nf = nf + _WEIGHTS_NONFINITE * _any_nonfinite(self.params)
+        nf = nf + _STATE_NONFINITE * self.checks.state_flag()
         row = torch.cat(
             [
-                torch.tensor([current.step], dtype=torch.int64, device=self.device),
+                # a fill, not torch.tensor(..., device=): no host-to-device copy, no sync
+                torch.full((1,), current.step, dtype=torch.int64, device=self.device),
                 self.hook.flags(),
-                fingerprint_on_device(self.voted).to(self.device),
+                self._weights_fingerprint().to(self.device),
                 state_fp,
                 own,
                 replay,
-                self.checks.state_flag(),
+                nf,
+                self.buffers.row(),
             ]
         )
         rows = all_gather_rows(row, self.group)
@@ -738,10 +820,14 @@ class SDCGuard:
         """Turn the gathered rows into at most one alarm and a step outcome — the same on every
         rank, since every rank sees the same rows.
 
-        What follows from an event already raised is the same event, not a new one: replicas
-        known to have diverged compute garbage from then on (their non-finite gradients, audit
-        mismatches and further divergence are theirs), and a NaN that reached the weights makes
-        every later step non-finite.
+        Only what truly follows from an alarmed event is not raised again: once a non-finite
+        gradient was applied and the weights are actually non-finite, everything computed from
+        them is (``poisoned``); replicas an alarm named as holding different weights
+        (:class:`~detection.vote.KnownDivergence`) disagree from then on, so their further
+        divergence, audit mismatches between them, and non-finite local gradients of replicas
+        a majority named as wrong are theirs. Everything else is checked
+        every step: a non-finite gradient the loop skipped poisons nothing, and a divergence
+        without a majority leaves every class of equal replicas under watch.
         """
         step = current.step
         if any(r[_STEP] != step for r in rows):
@@ -749,16 +835,20 @@ class SDCGuard:
                 f"ranks are at different steps: {[r[_STEP] for r in rows]}: pass every rank "
                 "the same step number to guard.step()"
             )
-        known, poisoned = self._diverged, self._nonfinite_open
+        poisoned = self._poison_possible and any(r[_NF] & _WEIGHTS_NONFINITE for r in rows)
         findings: list[_Finding] = []
 
         nonfinite = attribute_nonfinite(
             [bool(r[_PRE]) for r in rows], [bool(r[_POST]) for r in rows]
         )
         nonfinite, resolution = self._account_for_scaler(current, nonfinite)
-        self._nonfinite_open = nonfinite is not None
-        follows = nonfinite is not None and (
-            poisoned or (set(nonfinite.pre_ranks) <= known if nonfinite.pre_ranks else bool(known))
+        stepped = any(r[_NF] & _STEPPED for r in rows)
+        self._poison_possible = nonfinite is not None and (stepped or poisoned)
+        wrong = self._known.minority()  # replicas an alarm named as holding wrong weights
+        follows = poisoned or (
+            nonfinite is not None
+            and bool(nonfinite.pre_ranks)
+            and set(nonfinite.pre_ranks) <= wrong
         )
         if nonfinite is not None and not follows:
             finding = _nonfinite_finding(nonfinite)
@@ -766,48 +856,50 @@ class SDCGuard:
 
         weights = [tuple(r[_W]) for r in rows]
         states = [tuple(r[_S]) for r in rows]
-        verdict = majority_vote([w + s for w, s in zip(weights, states, strict=True)])
+        values = [w + s for w, s in zip(weights, states, strict=True)]
+        verdict = majority_vote(values)
+        known_before = copy.copy(self._known)
+        new_divergence = False
         if verdict.unanimous:
             if nonfinite is None:  # equal again (not merely equally NaN): forget the divergence
-                self._diverged = frozenset()
-        else:
-            everyone = frozenset(range(self.world_size))
-            now = frozenset(verdict.divergent) if verdict.culprit_known else everyone
-            if not poisoned and not now <= known and not (known and now == everyone):
-                findings.append(self._vote_finding(verdict, weights, states))
-            self._diverged = known | now
+                self._known.clear()
+        elif not poisoned and self._known.is_new(values):
+            findings.append(self._vote_finding(verdict, weights, states))
+            new_divergence = True
+
+        buffers = buffer_finding([r[_BUF] for r in rows], self.buffers.broadcast)
+        if buffers is not None and not poisoned:
+            findings.append(_Finding(Layer.FINGERPRINT, Phase.WEIGHTS, buffers[0], buffers[1]))
 
         audit_passed = False
         inconclusive = current.audit and not _all_finite(rows)
         if current.audit:
             audit = attribute_audit(
-                self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows]
+                self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows], self.nodes
             )
             # NaN is bit-equal to NaN: an audit over non-finite values proves nothing.
             audit_passed = audit.passed and not inconclusive
-            touched = known | self._diverged
-            follows = (
-                poisoned
-                or follows
-                or all(a in touched or b in touched for a, b in audit.mismatches)
-            )
+            follows = poisoned or all(known_before.apart(a, b) for a, b in audit.mismatches)
             if not audit.passed and not follows:
                 findings.append(self._audit_finding(audit))
 
         findings = self.checks.merge(
             findings,
-            [r[_STATE_NONFINITE] for r in rows],
-            known=known,
+            [int(bool(r[_NF] & _STATE_NONFINITE)) for r in rows],
+            known=_diverged(known_before),
             poisoned=poisoned,
             nonfinite=nonfinite is not None or current.overflow,
             make=_Finding,
         )
         alarm = self._merge(step, findings)
+        if new_divergence and alarm is not None:
+            self._known.record(values)  # known only once alarmed
+        own = rows[self.rank]
         outcome = StepOutcome(
             step=step,
             ranks=tuple(range(self.world_size)),
-            fingerprint=to_fingerprint(*rows[self.rank][_W]),
-            vote_passed=verdict.unanimous,
+            fingerprint=_state_fingerprint(own[_W], own[_BUF][2:4]),
+            vote_passed=verdict.unanimous and buffers is None,
             audit=self.config.mode if current.audit else None,
             audit_passed=audit_passed,
             alarm=alarm,
@@ -943,7 +1035,8 @@ class SDCGuard:
                 "mismatched_pairs": [{"auditor": a, "audited": b} for a, b in audit.mismatches],
                 "attribution": "a single disagreeing pair: either side may have erred"
                 if lone
-                else "ranks wrong both in their own result and in their recomputation",
+                else "the smallest set of nodes explaining every disagreeing pair",
+                **attribute_pairs(audit.mismatches, self.nodes).to_detail(),
             },
         )
 
@@ -991,3 +1084,12 @@ class SDCGuard:
                 self.sender.send_alarm(alarm.to_webhook(self.job_id, self.rank, self.node))
         if self.config.halt_on_alarm:
             self.halted = True
+
+
+def _diverged(known: KnownDivergence) -> frozenset[int]:
+    """The replicas whose statistics and optimizer state follow from an alarmed divergence:
+    the minority a majority named, or — with no majority — every replica (each one's gradient
+    reaches the others through the all-reduce)."""
+    if not known.classes:
+        return frozenset()
+    return known.minority() or frozenset().union(*known.classes)

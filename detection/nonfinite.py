@@ -101,6 +101,11 @@ class CheckedCommHook:
         observer: BucketObserver | None = None,
     ) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
+        # Each gradient is fingerprinted at its parameter's global position, so the buckets'
+        # fingerprints add up to the whole gradient's and never cancel across buckets.
+        self._offset = [0] * len(params)
+        for i in range(1, len(params)):
+            self._offset[i] = self._offset[i - 1] + params[i - 1].numel()
         self._inner: CommHook = inner if inner is not None else allreduce_hook
         self._inner_state = inner_state if inner is not None else process_group
         self._injector = injector
@@ -150,7 +155,9 @@ class CheckedCommHook:
         if self._observer is not None:
             self._observer.on_local(key, bucket)
         if self._fingerprint:
-            self._grad_fp[key] = fingerprint_on_device([g for _, g in pairs])
+            self._grad_fp[key] = fingerprint_on_device(
+                [g for _, g in pairs], offsets=[self._offset[i] for i, _ in pairs]
+            )
             self._partition[key] = [i for i, _ in pairs]
         offsets = [(i, g.storage_offset() - buffer.storage_offset(), g.numel()) for i, g in pairs]
 

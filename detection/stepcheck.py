@@ -233,8 +233,9 @@ class StepChecks:
         audit; each is a tuple whose first item is its layer.
 
         What follows from an event already raised is not new: nothing while a NaN is open,
-        nothing naming only replicas known to have diverged, and no non-finite state on the
-        step of a non-finite gradient or after a known divergence."""
+        nothing naming only replicas an alarm named as wrong (``known``), and no non-finite state
+        on the step of a non-finite gradient (or a scaler overflow) or while such replicas
+        exist (their gradients reach every replica through the all-reduce)."""
         ours = [
             make(*f)
             for f in self._pending

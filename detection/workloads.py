@@ -125,6 +125,7 @@ def run_guarded(rank: int, world_size: int, work: Workload) -> dict[str, Any]:
             seed=work.seed,
             inject=work.inject,
             micro_batches=work.accumulate,
+            halt_on_alarm=False,  # a fault matrix counts every flip of one run
             skip_update_on_alarm=work.skip_update,
             abft=work.abft,
             stats=work.stats,
