@@ -22,14 +22,16 @@ What runs where, per step:
   all-reduce (and, on audited gradient steps, fingerprints the local bucket);
 * forward pre-hook (on the module the loop calls, outside any compiled region) — seeds the
   micro-batch's RNG and captures the autocast state and, on audited steps, the buffers;
-* end of the step's last ``guard.backward`` — on audited steps the partner's micro-batch is
-  recomputed on the module without DDP (:mod:`detection.audit`), weights still as they were
-  before any optimizer updates them; shipped batches arrive first (:mod:`detection.batches`);
+* end of the step's last ``guard.backward`` — the per-step layer's verdict
+  (:mod:`detection.stepcheck`, one small all-gather) before any optimizer updates a weight;
+  then, on audited steps, the partner's micro-batch is recomputed on the module without DDP
+  (:mod:`detection.audit`), weights still as they were before any optimizer updates them;
+  shipped batches arrive first (:mod:`detection.batches`);
 * ``optimizer.step`` post-hook — injected weight / optimizer-state faults (tests and demos);
 * leaving ``guard.step`` — the weight fingerprint (and, if configured, the optimizer state's);
   then one all-gather of a small int64 row per rank and one host synchronisation, from which
-  every rank reaches the same decision: at most one :class:`~detection.alarm.Alarm` per step,
-  reported once per job by the lowest non-suspect rank.
+  every rank reaches the same decision (:mod:`detection.decision`): at most one
+  :class:`~detection.alarm.Alarm` per step, reported once per job by the lowest non-suspect rank.
 
 Everything before the all-gather stays on the device: no host copy of weights or gradients.
 
@@ -39,33 +41,27 @@ differ) is not raised again, while a new split among replicas still equal is; on
 gradient was applied and the weights are actually non-finite, the steps computed from them are
 the same event. A non-finite gradient the loop skipped poisons nothing. Persistent buffers are
 checked where replicas must agree (:mod:`detection.buffercheck`) and are part of the checkpoint
-fingerprint.
+fingerprint. The configuration and the errors live in :mod:`detection.guard_config`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import math
 import os
 import socket
-import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from detection.alarm import Alarm, Layer, Phase
-from detection.attribution import attribute_pairs
+from detection.alarm import Alarm
 from detection.audit import (
     AuditMode,
-    AuditVerdict,
     PartnerReplay,
-    attribute_audit,
     auditors_of,
     encode_loss,
     ring_partners,
@@ -73,7 +69,7 @@ from detection.audit import (
     step_seed,
 )
 from detection.batches import exchange_batches
-from detection.buffercheck import BUFFER_ROW, BufferWatch, buffer_finding
+from detection.buffercheck import BufferWatch
 from detection.calibration import (
     GuardCounters,
     NotReplayableError,
@@ -81,27 +77,40 @@ from detection.calibration import (
     check_agreement,
     replay_environment,
 )
+from detection.decision import (
+    OWN,
+    REPLAY,
+    STEP,
+    StepDecision,
+    all_finite,
+    any_nonfinite,
+    flags_word,
+    step_row,
+)
 from detection.faults import FaultInjector, FaultSpec
 from detection.fingerprint import Fingerprint, FingerprintPlan, fingerprint_on_device
 from detection.gate import CheckpointGate, StepOutcome
-from detection.gradstats import StatsConfig
+from detection.guard_config import (
+    AlarmSink,
+    GuardConfig,
+    GuardConfigError,
+    GuardError,
+    GuardHaltedError,
+    GuardUsageError,
+    Identity,
+)
 from detection.nonfinite import (
     CheckedCommHook,
     CommHook,
     NonFiniteVerdict,
-    attribute_nonfinite,
 )
 from detection.overflow import recompute_flagged
 from detection.replay import AutocastState, unwrap_ddp
 from detection.stepcheck import StepChecks
 from detection.vote import (
-    KnownDivergence,
-    VoteVerdict,
     all_gather_rows,
-    majority_vote,
     optimizer_state_tensors,
     persistent_buffers,
-    to_fingerprint,
     verify_after_load,
 )
 
@@ -120,167 +129,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-# Layout of the row each rank contributes to the per-step all-gather.
-_STEP, _PRE, _POST = 0, 1, 2
-_W = slice(3, 5)  # weight fingerprint after the step
-_S = slice(5, 7)  # optimizer-state fingerprint after the step
-_OWN = slice(7, 10)  # own [loss bits, local-gradient fingerprint a, b]
-_REPLAY = slice(10, 13)  # the same three values recomputed for the partner
-_NF = 13  # flags: optimizer.step ran, weights non-finite, optimizer state non-finite
-_BUF = slice(14, 14 + BUFFER_ROW)  # persistent buffers (detection.buffercheck)
-_ROW = 14 + BUFFER_ROW
-# bits of _NF: weights are checked only after a non-finite step was applied; the state flag is
-# the per-step layer's (detection.optstate), after the update
-_STEPPED, _WEIGHTS_NONFINITE, _STATE_NONFINITE = 1, 2, 4
-
-
-class GuardError(RuntimeError):
-    """Base of the guard's own errors."""
-
-
-class GuardConfigError(GuardError):
-    """The guard cannot be set up as asked (inconsistent ranks, hook already taken, ...)."""
-
-
-class GuardUsageError(GuardError):
-    """The training loop broke the guard's protocol (see :class:`SDCGuard`)."""
-
-
-class GuardHaltedError(GuardError):
-    """A step was started after the guard halted the job on an alarm."""
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    """What the guard does; identical on every rank (checked at start-up).
-
-    ``audit_every``: ring audit on steps with ``step % audit_every == 0`` (0: never).
-    ``seed``: dropout seeds derive from (seed, step, rank) — the audit's replay needs them.
-    ``vote_optimizer_state``: vote on the optimizer state as well as the weights. Off by
-    default: replicas apply the same update to the same state, so a corrupted state shows in
-    the weights at the next update — the step whose weights come out wrong, which is then the
-    alarm's step — while reading Adam's state would triple the vote's memory traffic. On, the
-    alarm names the step that wrote the bad state, and also catches state that never reaches
-    the weights (a second moment whose first moment stays zero).
-    ``halt_on_alarm`` (on by default): set :attr:`SDCGuard.halted` after the step that raised
-    an alarm, so the loop stops on weights that may be corrupt (``guard.step`` refuses further
-    steps). Off, the guard keeps checking and raises each new event once.
-    ``inject``: fault specs (``--inject`` syntax) for tests and demos.
-    ``micro_batches``: ``guard.backward`` calls per step (gradient accumulation: ``no_sync``
-    around all but the last); a loss audit replays one of them (a different one each audit),
-    a gradient audit the whole group.
-    ``calibrate``: audits that must come out clean (and reproduce each rank's own micro-batch)
-    before the audit arms; until then a mismatch raises
-    :class:`~detection.calibration.NotReplayableError` saying what to change, not an alarm.
-    ``step_checks``: the per-step layer (:mod:`detection.stepcheck`): gradient statistics, the
-    algebraic all-reduce check and the optimizer-state check on every step. On by default.
-    ``skip_update_on_alarm``: when that layer finds a step corrupted, drop its gradients before
-    ``optimizer.step`` on every rank, so the corrupted step never reaches the weights.
-    ``abft``: Linear checksums (forward rows, weight gradient), opt-in. ``stats``: the tuning.
-    """
-
-    audit_every: int = 0
-    audit_mode: AuditMode | str = AuditMode.LOSS
-    seed: int = 0
-    vote_optimizer_state: bool = False
-    halt_on_alarm: bool = True
-    inject: tuple[str, ...] = field(default_factory=tuple)
-    micro_batches: int = 1
-    calibrate: int = 0
-    step_checks: bool = True
-    skip_update_on_alarm: bool = False
-    abft: bool = False
-    stats: StatsConfig = field(default_factory=StatsConfig)
-
-    def __post_init__(self) -> None:
-        if self.audit_every < 0:
-            raise GuardConfigError(f"audit_every must be ≥ 0, got {self.audit_every}")
-        if self.micro_batches < 1:
-            raise GuardConfigError(f"micro_batches must be ≥ 1, got {self.micro_batches}")
-        if self.calibrate < 0:
-            raise GuardConfigError(f"calibrate must be ≥ 0, got {self.calibrate}")
-        try:
-            object.__setattr__(self, "audit_mode", AuditMode(self.audit_mode))
-        except ValueError:
-            raise GuardConfigError(
-                f"audit_mode must be 'loss' or 'gradient', got {self.audit_mode!r}"
-            ) from None
-        object.__setattr__(self, "inject", tuple(self.inject))
-        for spec in self.inject:
-            FaultSpec.parse(spec)
-
-    @property
-    def mode(self) -> AuditMode:
-        """``audit_mode`` as the enum (it is normalised to one on construction)."""
-        return AuditMode(self.audit_mode)
-
-
-class Identity(Protocol):
-    """What the guard needs of a rank's identity (``detection.identity.RankIdentity``)."""
-
-    @property
-    def node(self) -> str: ...
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-class AlarmSink(Protocol):
-    """What the guard needs of the alarm sender (``detection.sender.AlarmSender``)."""
-
-    def send_alarm(self, body: dict[str, Any]) -> str: ...
-
-    def register_ranks(self, ranks: list[dict[str, Any]]) -> None: ...
-
-
-def _any_nonfinite(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """1 (int64, on the device) when any floating-point parameter holds a NaN or an infinity."""
-    flags = [torch.isfinite(p.detach()).all() for p in params if p.is_floating_point()]
-    if not flags:
-        return torch.zeros((), dtype=torch.int64, device=params[0].device)
-    return (~torch.stack(flags).all()).to(torch.int64)
-
-
-def _state_fingerprint(weights: Sequence[int], buffers: Sequence[int]) -> Fingerprint:
-    """Weights plus buffers: buffers are numbered after the parameters, so the sum of the two
-    fingerprints is that of ``model_state_tensors`` (what a checkpoint holds)."""
-    w, b = to_fingerprint(*weights), to_fingerprint(*buffers)
-    return to_fingerprint(w.a + b.a, w.b + b.b)
-
-
-class _Finding(NamedTuple):
-    layer: Layer
-    phase: Phase
-    suspects: tuple[int, ...]
-    detail: dict[str, Any]
-
-
-def _all_finite(rows: Sequence[Sequence[int]]) -> bool:
-    """No rank's loss or gradient was non-finite in this step (from the gathered rows)."""
-    for r in rows:
-        if r[_PRE] or r[_POST]:
-            return False
-        if not math.isfinite(struct.unpack("<d", struct.pack("<q", r[_OWN][0]))[0]):
-            return False
-    return True
-
-
-def _nonfinite_finding(verdict: NonFiniteVerdict) -> _Finding:
-    reason = (
-        "non-finite local gradient"
-        if verdict.pre_ranks
-        else "non-finite gradient after all-reduce from finite local gradients"
-    )
-    return _Finding(
-        Layer.NONFINITE,
-        verdict.phase,
-        verdict.suspects,
-        {
-            "pre_allreduce_ranks": list(verdict.pre_ranks),
-            "post_allreduce_ranks": list(verdict.post_ranks),
-            "reason": reason,
-        },
-    )
-
 
 @dataclass
 class _Step:
@@ -297,7 +145,6 @@ class _Step:
     shipped: dict[int, Any] | None = None  # the partner's, received on audited steps
     scale: torch.Tensor | None = None  # the GradScaler scale of this step's backward
     mean_loss: torch.Tensor | None = None  # Σ of the micro-batches' losses / micro_batches
-    overflow: bool = False  # non-finite gradients the GradScaler accounted for
     stepped: set[int] = field(default_factory=set)  # id() of the optimizers that stepped
 
 
@@ -389,8 +236,6 @@ class SDCGuard:
         self.halted = False
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
-        self._poison_possible = False  # a non-finite step was applied: weights may be NaN
-        self._known = KnownDivergence()  # replicas known (alarmed) to hold different weights
         self._replay_seed: int | None = None
         # What a checkpoint holds and the vote covers: the synchronised parameters, then the
         # persistent buffers, numbered after them in one global numbering.
@@ -416,6 +261,14 @@ class SDCGuard:
         if self.injector is not None:
             self.injector.bind(self.module)
         self.checks = self._step_checks(comm_hook is None)
+        self.decision = StepDecision(
+            world_size=self.world_size,
+            nodes=self.nodes,
+            partners=self.partners,
+            mode=self.config.mode,
+            checks=self.checks,
+            buffers_broadcast=self.buffers.broadcast,
+        )
         self.hook = CheckedCommHook(
             self.params,
             process_group=self.group,
@@ -781,35 +634,26 @@ class SDCGuard:
             )
         self._check_before_update(current)  # no-ops: the last backward ran both
         self._run_audit(current)
-        zero2 = self._zeros[:2]
-        state_fp = zero2
+        state_fp = self._zeros[:2]
         if self.config.vote_optimizer_state:
             state = [t for opt in self.optimizers for t in optimizer_state_tensors(opt, self.voted)]
             if state:
                 state_fp = fingerprint_on_device(state).to(self.device)
-        own = torch.cat([encode_loss(current.loss), self.hook.gradient_fingerprint()])
-        replay = current.replay if current.replay is not None else self._zeros[:3]
-        nf = torch.full(
-            (1,),
-            _STEPPED if current.stepped else 0,
-            dtype=torch.int64,
-            device=self.device,
-        )
-        if self._poison_possible:  # only after a non-finite step was applied: costs a pass
-            nf = nf + _WEIGHTS_NONFINITE * _any_nonfinite(self.params)
-        nf = nf + _STATE_NONFINITE * self.checks.state_flag()
-        row = torch.cat(
-            [
-                # a fill, not torch.tensor(..., device=): no host-to-device copy, no sync
-                torch.full((1,), current.step, dtype=torch.int64, device=self.device),
-                self.hook.flags(),
-                self._weights_fingerprint().to(self.device),
-                state_fp,
-                own,
-                replay,
-                nf,
-                self.buffers.row(),
-            ]
+        poison_possible = self.decision.poison_possible  # weights read only after a NaN step
+        row = step_row(
+            current.step,
+            flags=self.hook.flags(),
+            weights=self._weights_fingerprint(),
+            state=state_fp,
+            own=torch.cat([encode_loss(current.loss), self.hook.gradient_fingerprint()]),
+            replay=current.replay if current.replay is not None else self._zeros[:3],
+            nf=flags_word(
+                self.device,
+                stepped=bool(current.stepped),
+                weights_nonfinite=any_nonfinite(self.params) if poison_possible else None,
+                state_nonfinite=self.checks.state_flag(),
+            ),
+            buffers=self.buffers.row(),
         )
         rows = all_gather_rows(row, self.group)
         if current.self_replays is not None:
@@ -817,99 +661,27 @@ class SDCGuard:
         self._decide(current, rows)
 
     def _decide(self, current: _Step, rows: Sequence[Sequence[int]]) -> None:
-        """Turn the gathered rows into at most one alarm and a step outcome — the same on every
-        rank, since every rank sees the same rows.
-
-        Only what truly follows from an alarmed event is not raised again: once a non-finite
-        gradient was applied and the weights are actually non-finite, everything computed from
-        them is (``poisoned``); replicas an alarm named as holding different weights
-        (:class:`~detection.vote.KnownDivergence`) disagree from then on, so their further
-        divergence, audit mismatches between them, and non-finite local gradients of replicas
-        a majority named as wrong are theirs. Everything else is checked
-        every step: a non-finite gradient the loop skipped poisons nothing, and a divergence
-        without a majority leaves every class of equal replicas under watch.
-        """
-        step = current.step
-        if any(r[_STEP] != step for r in rows):
+        """Act on the step's decision (:mod:`detection.decision`) — the same on every rank,
+        since every rank sees the same rows: record the outcome, raise the alarm, tell the
+        gate."""
+        if any(r[STEP] != current.step for r in rows):
             raise GuardUsageError(
-                f"ranks are at different steps: {[r[_STEP] for r in rows]}: pass every rank "
+                f"ranks are at different steps: {[r[STEP] for r in rows]}: pass every rank "
                 "the same step number to guard.step()"
             )
-        poisoned = self._poison_possible and any(r[_NF] & _WEIGHTS_NONFINITE for r in rows)
-        findings: list[_Finding] = []
-
-        nonfinite = attribute_nonfinite(
-            [bool(r[_PRE]) for r in rows], [bool(r[_POST]) for r in rows]
+        decision = self.decision.decide(
+            current.step,
+            rows,
+            audit=current.audit,
+            rank=self.rank,
+            account_for_scaler=lambda nonfinite: self._account_for_scaler(current, nonfinite),
         )
-        nonfinite, resolution = self._account_for_scaler(current, nonfinite)
-        stepped = any(r[_NF] & _STEPPED for r in rows)
-        self._poison_possible = nonfinite is not None and (stepped or poisoned)
-        wrong = self._known.minority()  # replicas an alarm named as holding wrong weights
-        follows = poisoned or (
-            nonfinite is not None
-            and bool(nonfinite.pre_ranks)
-            and set(nonfinite.pre_ranks) <= wrong
-        )
-        if nonfinite is not None and not follows:
-            finding = _nonfinite_finding(nonfinite)
-            findings.append(finding._replace(detail={**finding.detail, **resolution}))
-
-        weights = [tuple(r[_W]) for r in rows]
-        states = [tuple(r[_S]) for r in rows]
-        values = [w + s for w, s in zip(weights, states, strict=True)]
-        verdict = majority_vote(values)
-        known_before = copy.copy(self._known)
-        new_divergence = False
-        if verdict.unanimous:
-            if nonfinite is None:  # equal again (not merely equally NaN): forget the divergence
-                self._known.clear()
-        elif not poisoned and self._known.is_new(values):
-            findings.append(self._vote_finding(verdict, weights, states))
-            new_divergence = True
-
-        buffers = buffer_finding([r[_BUF] for r in rows], self.buffers.broadcast)
-        if buffers is not None and not poisoned:
-            findings.append(_Finding(Layer.FINGERPRINT, Phase.WEIGHTS, buffers[0], buffers[1]))
-
-        audit_passed = False
-        inconclusive = current.audit and not _all_finite(rows)
-        if current.audit:
-            audit = attribute_audit(
-                self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows], self.nodes
-            )
-            # NaN is bit-equal to NaN: an audit over non-finite values proves nothing.
-            audit_passed = audit.passed and not inconclusive
-            follows = poisoned or all(known_before.apart(a, b) for a, b in audit.mismatches)
-            if not audit.passed and not follows:
-                findings.append(self._audit_finding(audit))
-
-        findings = self.checks.merge(
-            findings,
-            [int(bool(r[_NF] & _STATE_NONFINITE)) for r in rows],
-            known=_diverged(known_before),
-            poisoned=poisoned,
-            nonfinite=nonfinite is not None or current.overflow,
-            make=_Finding,
-        )
-        alarm = self._merge(step, findings)
-        if new_divergence and alarm is not None:
-            self._known.record(values)  # known only once alarmed
-        own = rows[self.rank]
-        outcome = StepOutcome(
-            step=step,
-            ranks=tuple(range(self.world_size)),
-            fingerprint=_state_fingerprint(own[_W], own[_BUF][2:4]),
-            vote_passed=verdict.unanimous and buffers is None,
-            audit=self.config.mode if current.audit else None,
-            audit_passed=audit_passed,
-            alarm=alarm,
-        )
-        self.last_outcome = outcome
-        self._tally(current, audit_passed, inconclusive)
-        if alarm is not None:
-            self._raise(alarm)
+        self.last_outcome = decision.outcome
+        self._tally(current, decision.audit_passed, decision.inconclusive)
+        if decision.alarm is not None:
+            self._raise(decision.alarm)
         if self.gate is not None:
-            self.gate.observe(outcome)
+            self.gate.observe(decision.outcome)
 
     def _tally(self, current: _Step, audit_passed: bool, inconclusive: bool) -> None:
         c = self.counters
@@ -928,13 +700,13 @@ class SDCGuard:
         does — refuses to arm (:class:`NotReplayableError`, the same on every rank)."""
         assert current.self_replays is not None
         selves = all_gather_rows(current.self_replays, self.group)
-        if not _all_finite(rows):
+        if not all_finite(rows):
             return  # non-finite values prove nothing either way: not a clean audit
         causes = calibration_causes(
             current.step,
             self.partners,
-            [r[_OWN] for r in rows],
-            [r[_REPLAY] for r in rows],
+            [r[OWN] for r in rows],
+            [r[REPLAY] for r in rows],
             selves,
             mode=str(self.config.mode),
         )
@@ -951,31 +723,29 @@ class SDCGuard:
 
     def _account_for_scaler(
         self, current: _Step, nonfinite: NonFiniteVerdict | None
-    ) -> tuple[NonFiniteVerdict | None, dict[str, Any]]:
+    ) -> tuple[NonFiniteVerdict | None, dict[str, Any], bool]:
         """Under a GradScaler a non-finite local gradient is normally an overflow the scaler
         handles (it skips the step and lowers the scale), not SDC. On every rank it is taken as
         one; on some ranks only, each such rank's micro-batches are recomputed by its auditor
         at the same scale (collective): non-finite there too is an overflow, finite is SDC and
         stays a finding naming the rank."""
         if current.scale is None or nonfinite is None or not nonfinite.pre_ranks:
-            return nonfinite, {}
+            return nonfinite, {}, False
         flagged = list(nonfinite.pre_ranks)
         if len(flagged) == self.world_size:
             self.counters.overflow_steps += 1
-            current.overflow = True
-            return None, {}
+            return None, {}, True
         finite = self._recompute_flagged(current, flagged)
         self.counters.overflow_resolutions += 1
         sdc = tuple(r for r in flagged if finite[r])
         if not sdc:
             self.counters.overflow_steps += 1
-            current.overflow = True
-            return None, {}
+            return None, {}, True
         detail = {
             "scaler": "recomputed at the same scale on the auditor: finite, so not an overflow",
             "recomputed_by": {str(r): self.auditors[r] for r in sdc},
         }
-        return NonFiniteVerdict(nonfinite.phase, sdc, sdc, nonfinite.post_ranks), detail
+        return NonFiniteVerdict(nonfinite.phase, sdc, sdc, nonfinite.post_ranks), detail, False
 
     def _recompute_flagged(self, current: _Step, flagged: Sequence[int]) -> list[int]:
         """``finite[r]`` for each flagged rank ``r``, as recomputed by ``r``'s auditor."""
@@ -993,73 +763,6 @@ class SDCGuard:
         )
         self.counters.batches_shipped += shipped
         return finite
-
-    def _vote_finding(
-        self,
-        verdict: VoteVerdict,
-        weights: Sequence[tuple[int, ...]],
-        states: Sequence[tuple[int, ...]],
-    ) -> _Finding:
-        parts = [
-            name
-            for name, values in (("weights", weights), ("optimizer_state", states))
-            if len(set(values)) > 1
-        ]
-        detail: dict[str, Any] = {
-            "diverged": "+".join(parts),
-            "replicas": self.world_size,
-            "fingerprints": {str(r): to_fingerprint(*w).hex() for r, w in enumerate(weights)},
-        }
-        if "optimizer_state" in parts:
-            detail["optimizer_state_fingerprints"] = {
-                str(r): to_fingerprint(*s).hex() for r, s in enumerate(states)
-            }
-        if not verdict.culprit_known:
-            detail["culprit"] = "unknown"
-            detail["reason"] = (
-                "two replicas can say that they differ, never which one is wrong"
-                if self.world_size == 2
-                else "no strict majority among the replicas"
-            )
-        return _Finding(Layer.FINGERPRINT, Phase.WEIGHTS, verdict.divergent, detail)
-
-    def _audit_finding(self, audit: AuditVerdict) -> _Finding:
-        lone = len(audit.mismatches) == 1
-        phase = Phase.LOSS if self.config.mode is AuditMode.LOSS else Phase.GRADIENT
-        return _Finding(
-            Layer.AUDIT,
-            phase,
-            audit.suspects,
-            {
-                "mode": str(self.config.mode),
-                "mismatched_pairs": [{"auditor": a, "audited": b} for a, b in audit.mismatches],
-                "attribution": "a single disagreeing pair: either side may have erred"
-                if lone
-                else "the smallest set of nodes explaining every disagreeing pair",
-                **attribute_pairs(audit.mismatches, self.nodes).to_detail(),
-            },
-        )
-
-    def _merge(self, step: int, findings: Sequence[_Finding]) -> Alarm | None:
-        """One alarm per step: the most specific finding leads (non-finite names the rank that
-        produced the value, the vote names the divergent replica, the audit names pairs); the
-        others ride along in ``detail.also``."""
-        if not findings:
-            return None
-        lead = findings[0]
-        detail = lead.detail
-        if len(findings) > 1:
-            also = [
-                {
-                    "layer": str(f.layer),
-                    "phase": str(f.phase),
-                    "suspect_ranks": list(f.suspects),
-                    **f.detail,
-                }
-                for f in findings[1:]
-            ]
-            detail = {**detail, "also": also}
-        return Alarm.for_ranks(step, lead.layer, lead.phase, lead.suspects, self.nodes, detail)
 
     def _raise(self, alarm: Alarm) -> None:
         self.alarms.append(alarm)
@@ -1084,12 +787,3 @@ class SDCGuard:
                 self.sender.send_alarm(alarm.to_webhook(self.job_id, self.rank, self.node))
         if self.config.halt_on_alarm:
             self.halted = True
-
-
-def _diverged(known: KnownDivergence) -> frozenset[int]:
-    """The replicas whose statistics and optimizer state follow from an alarmed divergence:
-    the minority a majority named, or — with no majority — every replica (each one's gradient
-    reaches the others through the all-reduce)."""
-    if not known.classes:
-        return frozenset()
-    return known.minority() or frozenset().union(*known.classes)

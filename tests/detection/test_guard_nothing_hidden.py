@@ -118,7 +118,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         "clean": clean.alarms(),
         "skipped": skipped.alarms(),
         "tie": tie.alarms(),
-        "tie_known": [sorted(c) for c in tie.guard._known.classes],
+        "tie_known": [sorted(c) for c in tie.guard.decision.known.classes],
         "halting": halting.alarms(),
         "halted": halting.guard.halted,
         "refused": refused,
