@@ -61,9 +61,9 @@ def naive(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         w = t.reshape(-1).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         n = w.numel()
-        idx = torch.arange(offset + 1, offset + n + 1, dtype=torch.int64)
+        idx = torch.arange(offset, offset + n, dtype=torch.int64)
         a = a + w.sum()
-        b = b + (w * idx).sum()
+        b = b + (w * fp.multipliers(idx)).sum()
         offset += n
     return torch.stack([a, b])
 

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         GateError,
         StepOutcome,
     )
+    from detection.gradstats import StatsConfig, StatsConfigError
     from detection.guard import (
         GuardConfig,
         GuardConfigError,
@@ -74,6 +75,8 @@ _LAZY: dict[str, str] = {
     "GateClosedError": "detection.gate",
     "GateError": "detection.gate",
     "StepOutcome": "detection.gate",
+    "StatsConfig": "detection.gradstats",
+    "StatsConfigError": "detection.gradstats",
     "GuardConfig": "detection.guard",
     "GuardConfigError": "detection.guard",
     "GuardError": "detection.guard",
@@ -114,6 +117,8 @@ __all__ = [
     "Phase",
     "RankIdentity",
     "SDCGuard",
+    "StatsConfig",
+    "StatsConfigError",
     "StepOutcome",
     "VoteVerdict",
     "fingerprint_from_tensor",

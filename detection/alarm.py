@@ -8,6 +8,7 @@ is the step whose computation was found wrong, not the step at which someone not
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-__all__ = ["Alarm", "Layer", "Phase", "rfc3339_now"]
+__all__ = ["Alarm", "Layer", "Phase", "event_alarm_id", "rfc3339_now"]
 
 
 class Layer(StrEnum):
@@ -24,6 +25,11 @@ class Layer(StrEnum):
     NONFINITE = "nonfinite"
     AUDIT = "audit"
     FINGERPRINT = "fingerprint"
+    # The per-step layer (detection.stepcheck): statistical and algebraic evidence on every step.
+    GRADSTATS = "gradstats"
+    ALLREDUCE = "allreduce"
+    OPTSTATE = "optstate"
+    ABFT = "abft"
 
 
 class Phase(StrEnum):
@@ -34,6 +40,9 @@ class Phase(StrEnum):
     LOSS = "loss"
     GRADIENT = "gradient"
     WEIGHTS = "weights"
+    OPTIMIZER_STATE = "optimizer-state"
+    FORWARD = "forward"
+    BACKWARD = "backward"
 
 
 def rfc3339_now() -> str:
@@ -103,11 +112,10 @@ class Alarm:
     def to_webhook(self, job_id: str, rank: int, node: str) -> dict[str, Any]:
         """The DESIGN ``POST /v1/alarms`` body, sent by ``rank`` on ``node``.
 
-        Each call makes a fresh ``alarm_id``: call it once per alarm and let the sender re-send
-        that same body, so the webhook's de-duplication by ``alarm_id`` holds.
+        ``alarm_id`` is :func:`event_alarm_id`: the same for the same event whichever rank
+        reports it and however often the job runs that step, so the webhook records it once.
         """
-        return {
-            "alarm_id": str(uuid.uuid4()),
+        body: dict[str, Any] = {
             "job_id": job_id,
             "step": self.step,
             "rank": rank,
@@ -119,3 +127,26 @@ class Alarm:
             "detail": dict(self.detail),
             "sent_at": rfc3339_now(),
         }
+        return {"alarm_id": event_alarm_id(body), **body}
+
+
+# uuid5 namespace of alarm ids: the same event gives the same id in every run and reporter.
+_ALARM_NAMESPACE = uuid.UUID("6f1d2c3e-5b0a-4c8e-9d21-7a4e0b9c1f35")
+
+
+def event_alarm_id(body: dict[str, Any]) -> str:
+    """The ``alarm_id`` of one detected event: a uuid5 of what identifies it — job, step,
+    layer, phase and suspect ranks — and nothing that differs between a run and its re-run
+    (the reporting rank, the time). Two reporters of one event, or a job that runs a step
+    again after a restart, send the same id and the webhook records the event once."""
+    key = json.dumps(
+        [
+            body.get("job_id"),
+            body.get("step"),
+            body.get("layer"),
+            body.get("phase"),
+            sorted(body.get("suspect_ranks") or []),
+        ],
+        separators=(",", ":"),
+    )
+    return str(uuid.uuid5(_ALARM_NAMESPACE, key))

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from detection.attribution import attribute_pairs
 from detection.faults import FaultInjector
 from detection.fingerprint import fingerprint_on_device
 from detection.replay import (
@@ -147,8 +148,8 @@ def encode_loss(loss: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class AuditVerdict:
     """Outcome of one ring audit. ``mismatches``: (auditor, audited) pairs whose recomputation
-    disagreed with the original; ``suspects``: ranks wrong both in their own result and in their
-    recomputation — or, if there is none, every rank of a disagreeing pair."""
+    disagreed with the original; ``suspects``: the ranks of the smallest node set explaining
+    them (see :mod:`detection.attribution`)."""
 
     mismatches: tuple[tuple[int, int], ...]
     suspects: tuple[int, ...]
@@ -162,24 +163,19 @@ def attribute_audit(
     partners: Sequence[int],
     own: Sequence[Sequence[int]],
     recomputed: Sequence[Sequence[int]],
+    nodes: Sequence[str] | None = None,
 ) -> AuditVerdict:
     """``own[x]``: rank x's original value; ``recomputed[r]``: rank r's value for
-    ``partners[r]``. A rank whose own result and whose recomputation of its partner both
-    disagree is the suspect (a persistent fault); a lone disagreeing pair cannot say which side
-    erred and names both."""
+    ``partners[r]``; ``nodes[r]``: rank r's node (``None``: one rank per node). The suspects are
+    the smallest set of nodes, then ranks, that explains every disagreeing pair
+    (:func:`detection.attribution.attribute_pairs`): a persistent fault is wrong in both roles
+    and named alone; a lone disagreeing pair cannot say which side erred and names both."""
     mismatches = tuple(
         (auditor, partner)
         for auditor, partner in enumerate(partners)
         if auditor != partner and tuple(recomputed[auditor]) != tuple(own[partner])
     )
-    if not mismatches:
-        return AuditVerdict((), ())
-    own_bad = {audited for _, audited in mismatches}
-    replay_bad = {auditor for auditor, _ in mismatches}
-    both = sorted(own_bad & replay_bad)
-    if both:
-        return AuditVerdict(mismatches, tuple(both))
-    return AuditVerdict(mismatches, tuple(sorted(own_bad | replay_bad)))
+    return AuditVerdict(mismatches, attribute_pairs(mismatches, nodes).ranks)
 
 
 # -- the replay ------------------------------------------------------------------------------------
@@ -189,16 +185,20 @@ def gradient_fingerprint(
     params: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """The audit's fingerprint of a local gradient: Σ over DDP buckets of
-    ``fingerprint_on_device`` of that bucket's gradients (wrapping int64 sums). DDP assigns the
+    ``fingerprint_on_device`` of that bucket's gradients, each at its parameter's global
+    offset (wrapping int64 sums). DDP assigns the
     same buckets on every rank, so the rank that replays groups its gradients exactly as the
     original rank's comm hook saw them, with no copy of the gradient."""
+    offset = [0] * len(params)
+    for i in range(1, len(params)):
+        offset[i] = offset[i - 1] + params[i - 1].numel()
     total = torch.zeros(2, dtype=torch.int64, device=params[0].device)
     for bucket in partition:
         tensors = [
             g if g is not None else torch.zeros_like(params[i])
             for i, g in ((i, grads[i]) for i in bucket)
         ]
-        total = total + fingerprint_on_device(tensors)
+        total = total + fingerprint_on_device(tensors, offsets=[offset[i] for i in bucket])
     return total
 
 

@@ -187,7 +187,9 @@ class GuardCounters:
     (never counted as passed — NaN is bit-equal to NaN); ``calibration_audits``: audits spent
     calibrating; ``overflow_steps``: non-finite steps a GradScaler accounted for;
     ``overflow_resolutions``: partner recomputations that told an overflow from SDC;
-    ``batches_shipped``: micro-batches this rank sent to its auditor; ``alarms``: alarms raised.
+    ``batches_shipped``: micro-batches this rank sent to its auditor; ``alarms``: alarms raised;
+    ``step_checks``: steps the per-step layer tested (finite statistics; non-finite steps are
+    the non-finite check's).
     """
 
     steps: int = 0
@@ -201,6 +203,7 @@ class GuardCounters:
     overflow_resolutions: int = 0
     batches_shipped: int = 0
     alarms: int = 0
+    step_checks: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dict(self.__dict__)

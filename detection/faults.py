@@ -226,6 +226,8 @@ class FaultInjector:
         self._grad_map = _FlatMap([])
         self._handles: list[Any] = []
         self.injected: list[tuple[int, str, bool]] = []  # (step, spec, replay) — evidence for tests
+        # (step, spec, bit was set before the flip): for an exponent bit, 0 → 1 raises the value
+        self.flips: list[tuple[int, str, bool]] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
     def bind(self, module: nn.Module) -> None:
@@ -319,6 +321,7 @@ class FaultInjector:
                 if spec.kind is FaultKind.GRAD_NAN:
                     _set_nan_(flat, offset)
                 else:
+                    self._note_flip(spec, flat, offset)
                     flip_bit_(flat, offset, spec.bit)
                 self._record(spec, f"parameter {position} element {offset}")
 
@@ -339,7 +342,9 @@ class FaultInjector:
             # A fresh tensor, so no autograd node that saved the original output sees a change.
             flipped = output.clone(memory_format=torch.contiguous_format)
             for spec in specs:
-                flip_bit_(flipped, element_index(self._step, flipped.numel()), spec.bit)
+                index = element_index(self._step, flipped.numel())
+                self._note_flip(spec, flipped, index)
+                flip_bit_(flipped, index, spec.bit)
                 self._record(spec, "output")
             return flipped
         if isinstance(output, tuple | list):
@@ -360,6 +365,18 @@ class FaultInjector:
         if not linears:
             raise FaultInjectionError("act-flip: the model has no nn.Linear; name a /MODULE")
         return linears[-1]
+
+    def _note_flip(self, spec: FaultSpec, flat: torch.Tensor, index: int) -> None:
+        """Whether the bit was set before the flip (one host read, only when a fault strikes)."""
+        assert self._step is not None
+        width = flat.element_size() * 8
+        word = {16: torch.int16, 32: torch.int32, 64: torch.int64}.get(width)
+        local_bit = spec.bit + width - 32
+        if word is None or not flat.is_floating_point() or not 0 <= local_bit < width:
+            return
+        cell = flat.detach().reshape(-1)[index : index + 1].view(word)
+        was_set = bool((int(cell.item()) >> local_bit) & 1)
+        self.flips.append((self._step, str(spec), was_set))
 
     def _record(self, spec: FaultSpec, where: str) -> None:
         assert self._step is not None

@@ -1,84 +1,95 @@
-"""Weight fingerprints: two exact 64-bit aggregates over the bit patterns of all parameters.
+"""Weight fingerprints: two exact 64-bit aggregates over the bit patterns of all tensors.
 
 Definition (a contract: checkpoints, the ledger and the report carry these values)
 ------------------------------------------------------------------------------------
-Let ``w_i`` be the unsigned bit pattern of element ``i``, where ``i`` counts elements across all
-tensors in order (each tensor in row-major order) and the word width ``k`` is the element size:
-8-bit dtypes give 8-bit words, 16-bit dtypes (float16, bfloat16) 16-bit words, float32 32-bit
-words, 64-bit dtypes 64-bit words. Then::
+Let ``w_i`` be the unsigned bit pattern of element ``i``, where ``i`` is the element's *global*
+position, counted from 0 across all tensors in order (each tensor in row-major order; a caller
+may place a list at an offset, :func:`fingerprint_on_device` ``offsets``), and the word width
+``k`` is the element size: 8-bit dtypes give 8-bit words, 16-bit dtypes 16-bit words, float32
+32-bit words, 64-bit dtypes 64-bit words. With ``m_i = splitmix64(i) | 1``, a pseudo-random odd
+64-bit multiplier of the position::
 
-    A = Σ_i w_i          mod 2**64
-    B = Σ_i (i + 1)·w_i  mod 2**64
+    A = Σ_i w_i        mod 2**64
+    B = Σ_i m_i·w_i    mod 2**64
+
+``splitmix64(x)``: ``z = x + 0x9E3779B97F4A7C15``; ``z = (z ^ z >> 30)·0xBF58476D1CE4E5B9``;
+``z = (z ^ z >> 27)·0x94D049BB133111EB``; ``z ^ z >> 31`` (logical shifts, all mod 2**64).
 
 Invariants and their proofs
 ---------------------------
 *Order independence.* Both aggregates are sums in the ring Z/2**64, which is associative and
-commutative, so any split into chunks, threads, kernels or devices gives the same bits. Nothing
-is ever rounded: the fast kernels below only use integer arithmetic.
+commutative, and each term depends only on a word and its global position, so any split into
+chunks, threads, kernels, buckets or devices gives the same bits. Nothing is ever rounded: the
+kernels only use integer arithmetic.
 
-*Any single bit flip changes A.* Flipping bit ``b < k`` of one word changes ``A`` by
-``d = ±2**b``, and ``0 < |d| ≤ 2**63 < 2**64``.
+*Concatenation is addition.* The fingerprint of ``xs + ys`` is the word-wise sum of the
+fingerprint of ``xs`` and that of ``ys`` placed at offset ``len(xs)``. So the fingerprints of
+DDP's gradient buckets, each taken at its parameters' global offsets, add up to the
+fingerprint of the whole gradient, and weights plus buffers are two parts of one fingerprint.
 
-*Two flips cannot cancel in both aggregates (within a size bound).* Flips in the same word
-change it by ``±2**b1 ± 2**b2`` with ``b1 ≠ b2``: non-zero, magnitude below ``2**64``, so ``A``
-changes. Flips in words ``i1 ≠ i2`` change ``A`` by ``d1 + d2`` with ``|dj| = 2**bj``; that sum
-is ``≡ 0 (mod 2**64)`` only when ``d2 ≡ -d1`` (for ``k < 64`` that means the same bit flipped in
-opposite directions; for ``k = 64`` also both words' bit 63 flipped). Then ``B`` changes by::
+*Any single bit flip changes A and B.* Flipping bit ``b < k`` of one word changes ``A`` by
+``d = ±2**b`` with ``0 < |d| < 2**64``, and ``B`` by ``m_i·d``, non-zero since ``m_i`` is odd
+(a unit of Z/2**64).
 
-    (i1 + 1)·d1 + (i2 + 1)·d2 ≡ (i1 - i2)·d1 = ±(i1 - i2)·2**b   (mod 2**64)
+*No linear blind spot.* An error pattern ``e_i`` (word changes) escapes both aggregates only if
+``Σ e_i ≡ 0`` and ``Σ m_i·e_i ≡ 0``. With the old weights ``i + 1`` every pattern with zero sum
+and zero first moment escaped by construction — ``+x, -2x, +x`` over three adjacent words, or
+equal and opposite changes at the same offset of two buckets that restarted the index. The
+multipliers are splitmix64 outputs, so they satisfy no linear relation with small coefficients:
+write ``e_i = 2**b·u_i`` with ``b`` the lowest bit set in any ``e_i``; ``B`` is unchanged only if
+``Σ m_i·u_i ≡ 0 (mod 2**(64 - b))``, where bit 0 of every ``m_i`` is 1 and its other bits are
+pseudo-random, so a fixed pattern escapes with probability about ``2**-(63 - b)``:
 
-which is non-zero unless ``2**(64 - b)`` divides ``i1 - i2``. So a cancelling pair at bit ``b``
-is always caught while ``|i1 - i2| < 2**(64 - b)``. With ``b ≤ k - 1`` the guarantee for a
-whole model of ``n`` elements (``|i1 - i2| ≤ n - 1``) is:
+======  =======================================  ========================================
+k       lowest changed bit ``b`` at most         a pattern that keeps ``A`` escapes ``B``
+======  =======================================  ========================================
+8       7                                        with probability about 2**-56
+16      15                                       about 2**-48
+32      31                                       about 2**-32 (two opposite sign flips)
+64      63                                       always, for an even number of sign flips
+======  =======================================  ========================================
 
-======  ==============================  ======================================
-k       every pair caught when          equivalently
-======  ==============================  ======================================
-8       n ≤ 2**57                       any realistic model
-16      n ≤ 2**49  (5.6·10**14)         any realistic model
-32      n ≤ 2**33  (8.6·10**9)          float32 models up to 8.5 billion values
-64      n ≤ 2                           see below
-======  ==============================  ======================================
-
-For 64-bit words the bound is per bit: a pair at bit ``b`` is caught while
-``|i1 - i2| < 2**(64 - b)``; two sign-bit flips of float64 values an even distance apart cancel
-in both aggregates. Single flips are always caught, whatever the size.
+The price of pseudo-random weights is that the guarantee for *pairs* is now probabilistic
+(``i + 1`` made every cancelling pair of float32 flips visible up to 2**33 elements, and every
+structured pattern above invisible). For 64-bit words the sign bit stays a blind spot: two
+sign-bit flips in opposite directions change ``B`` by ``2**63·(m_1 - m_2) ≡ 0``, since both
+multipliers are odd. Single flips are always caught, whatever the size.
 
 Kernels
 -------
-Each tensor is reduced on its own to ``S = Σ_j w_j`` and ``T = Σ_j (j + 1)·w_j`` over its
-local index ``j``; with ``o`` the number of elements before it, its share of the fingerprint is
-``A += S`` and ``B += o·S + T``. This makes tensors independent, so they can be reduced by
-different kernels, and keeps every per-element index small.
+Each tensor is reduced on its own to ``S = Σ_j w_j`` and ``T = Σ_j m_(o + j)·w_j`` over its
+local index ``j`` and global offset ``o``; its share of the fingerprint is ``A += S``,
+``B += T``. Multipliers are computed on the device from the position (never stored per
+element), except by ``eager`` on small lists, which reads them from a cached table.
 
-* ``eager`` runs anywhere torch runs: chunks of ``_CHUNK`` words are widened to int64, masked
-  to their unsigned value and reduced with torch ops. Memory overhead is bounded by a few int64
-  chunks (never a full-size int64 copy). It reads the data several times, so it is several
-  times slower than ``torch.sum``.
+* ``eager`` runs anywhere torch runs. Lists of at most ``_TABLE_MAX`` positions gather all
+  words of one element size with one ``torch.cat`` and reduce them against a slice of a cached
+  multiplier table (a handful of ops for the whole list: the fixed per-step cost of a small
+  model). Larger lists go tensor by tensor in chunks of ``_CHUNK`` words widened to int64,
+  their multipliers computed on the fly; memory overhead is bounded by a few int64 chunks.
 * ``fused`` traces the same arithmetic for one list layout with ``torch.compile`` (C++/OpenMP
   on CPU, Triton on CUDA) into one pass per tensor with no temporaries. Words narrower than
-  64 bits are read as packed int64 lanes (two float32 words per lane) and split with shifts
-  and masks, which halves the per-word work. Its first call for a layout compiles for
-  seconds. Afterwards, on parameters larger than the caches it runs at memory bandwidth
-  (about 1.1x ``torch.sum``); on cache-resident ones it is compute-bound at about 1.5x,
-  doing roughly nine vector operations per sixteen float32 words where ``torch.sum`` does
-  one (``benchmarks/fingerprint.py`` measures both). At most ``_MAX_FUSED_LAYOUTS``
-  layouts are compiled per process (more would hit the compiler's recompile limit); other
-  layouts, and element types outside ``_FUSED_DTYPES`` (complex, float8), use ``eager``.
+  64 bits are read as packed int64 lanes and split with shifts and masks. Its first call for a
+  layout compiles for seconds; afterwards the per-word splitmix64 (two multiplications and
+  three shift-xors) makes it compute-bound where ``torch.sum`` is bandwidth-bound
+  (``benchmarks/fingerprint.py`` measures the ratio). At most ``_MAX_FUSED_LAYOUTS`` layouts
+  are compiled per process (more would hit the compiler's recompile limit); other layouts, and
+  element types outside ``_FUSED_DTYPES`` (complex, float8), use ``eager``.
 * ``auto`` (the default) uses ``fused`` for lists of at least ``_FUSED_MIN_ELEMENTS``
   elements, where compiling pays off, and ``eager`` otherwise. If compiling a layout fails
   (no C++ compiler in the image, say) it logs a warning and runs that layout on ``eager``;
   under ``fused`` the failure raises :class:`FusedKernelUnavailable`.
 
 Neither kernel reads a value back to the host: ``fingerprint_on_device`` returns a device
-tensor, so the vote can all-gather it without a synchronisation. All device-side sums wrap
-two's-complement at 64 bits, which is what torch's int64 arithmetic does on every backend;
-the tests hold both kernels to a Python-integer reference on inputs where the sums overflow
-(on CPU; the CUDA path is written device-agnostic but has not run on a GPU here).
+tensor, so the vote can all-gather it without a synchronisation. All device-side sums and
+products wrap two's-complement at 64 bits, which is what torch's int64 arithmetic does on every
+backend; the tests hold both kernels to a Python-integer reference on inputs where the sums
+overflow (on CPU; the CUDA path is written device-agnostic but has not run on a GPU here).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import string
 import threading
@@ -92,11 +103,13 @@ import torch
 __all__ = [
     "Fingerprint",
     "FingerprintError",
+    "FingerprintPlan",
     "FusedKernelUnavailable",
     "Kernel",
     "fingerprint_from_tensor",
     "fingerprint_on_device",
     "get_kernel",
+    "multipliers",
     "set_kernel",
     "weight_fingerprint",
 ]
@@ -108,8 +121,11 @@ _HEX = frozenset(string.hexdigits)
 # Signed integer views of each element size; the unsigned word is the view masked to its width.
 _WORD_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WORD_MASK = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
+# Positions the eager kernel keeps a multiplier table for (8 bytes each, per device).
+_TABLE_MAX = 1 << 22  # = _FUSED_MIN_ELEMENTS: under auto, lists never take the chunked path
 # Words per eager step: two int64 temporaries of this length (4 MiB) bound the overhead.
 _CHUNK = 1 << 18
+_GPU_CHUNK = 1 << 22  # 32 MiB int64 temporaries: a GPU has the memory, launches cost
 # ``auto`` compiles only for lists at least this large: below it the compile never pays off.
 _FUSED_MIN_ELEMENTS = 1 << 22
 # torch.compile keeps at most 8 graphs per function before it silently runs it uncompiled.
@@ -161,7 +177,7 @@ class Fingerprint(NamedTuple):
         return cls(int(text[:16], 16), int(text[16:], 16))
 
 
-_FusedFn = Callable[[list[torch.Tensor], tuple[tuple[int, int], ...]], torch.Tensor]
+_FusedFn = Callable[[list[torch.Tensor], tuple[tuple[int, int], ...], torch.Tensor], torch.Tensor]
 
 
 # -- kernel selection ------------------------------------------------------------------------------
@@ -175,6 +191,20 @@ class _FusedState:
         self.failed: set[tuple[object, ...]] = set()  # layouts whose compile failed
         self.refused: set[tuple[object, ...]] = set()  # layouts past the cap, logged once
         self._compiled: dict[tuple[str, int], _FusedFn] = {}
+        self._offsets: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+    def offsets(self, offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """The global offsets as a device tensor, copied to the device once per list (a host
+        to device copy every step would cost a synchronisation on CUDA)."""
+        key = (offsets, device)
+        with self.lock:
+            value = self._offsets.get(key)
+            if value is None:
+                if len(self._offsets) >= 64:
+                    self._offsets.clear()
+                value = torch.tensor(offsets, dtype=torch.int64, device=device)
+                self._offsets[key] = value
+            return value
 
     def compiled(self, device_type: str) -> _FusedFn:
         """The ``torch.compile`` wrapper for one device type, made on first use so importing
@@ -204,6 +234,57 @@ def get_kernel() -> Kernel:
     return _STATE.kernel
 
 
+# -- multipliers ---------------------------------------------------------------------------------
+def _signed(x: int) -> int:
+    """A 64-bit constant as the int64 torch multiplies by (same bits)."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_SM_ADD = _signed(0x9E3779B97F4A7C15)
+_SM_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_SM_MUL2 = _signed(0x94D049BB133111EB)
+# int64 ``>>`` is arithmetic: a logical shift by s keeps the low 64 - s bits of it.
+_LOW = {s: (1 << (64 - s)) - 1 for s in (27, 30, 31)}
+
+
+def multipliers(positions: torch.Tensor) -> torch.Tensor:
+    """``splitmix64(i) | 1`` of int64 global positions, elementwise, on their device."""
+    z = positions + _SM_ADD
+    z = (z ^ ((z >> 30) & _LOW[30])) * _SM_MUL1
+    z = (z ^ ((z >> 27) & _LOW[27])) * _SM_MUL2
+    return (z ^ ((z >> 31) & _LOW[31])) | 1
+
+
+class _Table:
+    """Multipliers of positions ``[0, n)`` per device, grown by doubling up to ``_TABLE_MAX``
+    (8 bytes a position): what makes a small list's fingerprint a handful of ops."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tables: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, stop: int) -> torch.Tensor:
+        with self.lock:
+            table = self.tables.get(device)
+            if table is None or table.numel() < stop:
+                size = min(_TABLE_MAX, max(1 << 12, 1 << (stop - 1).bit_length()))
+                table = multipliers(torch.arange(size, dtype=torch.int64, device=device))
+                self.tables[device] = table
+            return table
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Σ a·b of two int64 vectors, wrapping: one fused op on CPU; CUDA's ``dot`` is BLAS-only
+    (floating point), so elsewhere a product and a sum."""
+    return torch.dot(a, b) if a.device.type == "cpu" else (a * b).sum()
+
+
+def _chunk(device: torch.device) -> int:
+    """Words per eager chunk: cache-sized on CPU; on GPUs large enough that a launch moves
+    megabytes (a 100M-element model takes tens of launches, not hundreds)."""
+    return _CHUNK if device.type == "cpu" else _GPU_CHUNK
+
+
 # -- per-tensor reductions -----------------------------------------------------------------------
 def _flat_words(t: torch.Tensor) -> torch.Tensor:
     """The elements of ``t`` in row-major order as a 1-D signed integer view of the same width."""
@@ -213,44 +294,49 @@ def _flat_words(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(_WORD_VIEW[size])
 
 
-def _plain(words: torch.Tensor, first: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(Σ w, Σ (first + j)·w)`` of a short-enough 1-D word view, widened to int64."""
+def _plain(
+    words: torch.Tensor, first: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ w, Σ m_(first + j)·w)`` of a short 1-D word view, widened to int64. ``first`` is
+    a device scalar, never a Python constant: the compiler would fold the multipliers of
+    constant positions with unbounded integers instead of wrapping at 64 bits."""
     w = words.to(torch.int64)
     if bits < 64:
         w = w & _WORD_MASK[bits // 8]
-    idx = torch.arange(first, first + words.numel(), dtype=torch.int64, device=words.device)
-    return w.sum(), (w * idx).sum()
+    idx = torch.arange(words.numel(), dtype=torch.int64, device=words.device) + first
+    return w.sum(), (w * multipliers(idx)).sum()
 
 
-def _eager_local(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _eager_local(t: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(S, T)`` of one tensor in chunks of ``_CHUNK`` words: bounded memory on any device.
-    Each chunk allocates two int64 temporaries (the widened words and their positions)."""
+    Each chunk allocates a few int64 temporaries (the widened words and their multipliers)."""
     words = _flat_words(t)
     size = words.element_size()
     s = torch.zeros((), dtype=torch.int64, device=words.device)
     tt = torch.zeros((), dtype=torch.int64, device=words.device)
-    for start in range(0, words.numel(), _CHUNK):
-        chunk = words[start : start + _CHUNK]
+    step = _chunk(words.device)
+    for start in range(0, words.numel(), step):
+        chunk = words[start : start + step]
         w = chunk.to(torch.int64, copy=True)  # always a copy: it is modified in place below
         if size < 8:
             w.bitwise_and_(_WORD_MASK[size])
         s += w.sum()
-        idx = torch.arange(
-            start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=words.device
-        )
-        tt += w.mul_(idx).sum()
+        first = offset + start
+        idx = torch.arange(first, first + chunk.numel(), dtype=torch.int64, device=words.device)
+        tt += w.mul_(multipliers(idx)).sum()
     return s, tt
 
 
-def _packed_local(t: torch.Tensor, head: int, lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(S, T)`` of one tensor, traced by ``torch.compile``.
+def _packed_local(
+    t: torch.Tensor, head: int, lanes: int, offset: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(S, T)`` of one tensor at global ``offset`` (a device scalar), traced by
+    ``torch.compile``.
 
     With ``r = 8 / element size`` words per int64 lane, the words are ``head`` loose words
-    (up to the first 8-byte boundary), ``lanes`` packed lanes, and a loose tail. Lane ``m``
-    holds local words ``j = head + r·m + q`` for ``q < r`` (little-endian), so with
-    ``s_m = Σ_q w_mq`` and ``u_m = Σ_q q·w_mq``::
-
-        Σ (j + 1)·w over the lanes = (head + 1)·Σ s_m + r·Σ m·s_m + Σ u_m
+    (up to the first 8-byte boundary), ``lanes`` packed lanes, and a loose tail. Lane ``l``
+    holds local words ``j = head + r·l + q`` for ``q < r`` (little-endian): word ``q`` of every
+    lane is split out with a shift and a mask and multiplied by ``m_(offset + j)``.
     """
     words = _flat_words(t)
     size = words.element_size()
@@ -258,47 +344,45 @@ def _packed_local(t: torch.Tensor, head: int, lanes: int) -> tuple[torch.Tensor,
     n = words.numel()
     r = 8 // size
     if r == 1:
-        return _plain(words, 1, bits)
+        return _plain(words, offset, bits)
     s = torch.zeros((), dtype=torch.int64, device=words.device)
     tt = torch.zeros((), dtype=torch.int64, device=words.device)
     if head:
-        hs, ht = _plain(words[:head], 1, bits)
+        hs, ht = _plain(words[:head], offset, bits)
         s, tt = s + hs, tt + ht
     if lanes:
         v = words[head : head + r * lanes].view(torch.int64)
         mask = _WORD_MASK[size]
-        second = (v >> bits) & mask
-        lane_sum = (v & mask) + second
-        lane_weighted = second  # Σ_q q·w_q; q = 0 adds nothing, q = 1 needs no multiply
-        for q in range(2, r):
+        base = torch.arange(0, r * lanes, r, dtype=torch.int64, device=words.device)
+        base = base + (offset + head)  # a runtime value: see _plain
+        lane_sum = v & mask
+        lane_weighted = lane_sum * multipliers(base)
+        for q in range(1, r):
             wq = (v >> (q * bits)) & mask
             lane_sum = lane_sum + wq
-            lane_weighted = lane_weighted + q * wq
-        # r·m·s_m + u_m in one accumulator: one reduction fewer than summing them apart.
-        rm = torch.arange(0, r * lanes, r, dtype=torch.int64, device=words.device)
-        ls = lane_sum.sum()
-        s = s + ls
-        tt = tt + (head + 1) * ls + (lane_sum * rm + lane_weighted).sum()
+            lane_weighted = lane_weighted + wq * multipliers(base + q)
+        s = s + lane_sum.sum()
+        tt = tt + lane_weighted.sum()
     done = head + r * lanes
     if done < n:
-        ts_, tt_ = _plain(words[done:], done + 1, bits)
+        ts_, tt_ = _plain(words[done:], offset + done, bits)
         s, tt = s + ts_, tt + tt_
     return s, tt
 
 
-def _fused_list(tensors: list[torch.Tensor], plan: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """The whole fingerprint of one layout; ``plan`` holds each tensor's ``(head, lanes)``."""
+def _fused_list(
+    tensors: list[torch.Tensor], plan: tuple[tuple[int, int], ...], offsets: torch.Tensor
+) -> torch.Tensor:
+    """The whole fingerprint of one layout; ``plan`` holds each tensor's ``(head, lanes)``,
+    ``offsets`` (int64 on the device) their global offsets."""
     device = tensors[0].device
     a = torch.zeros((), dtype=torch.int64, device=device)
     b = torch.zeros((), dtype=torch.int64, device=device)
-    offset = 0
-    for t, (head, lanes) in zip(tensors, plan, strict=True):
-        n = t.numel()
-        if n:
-            s, tt = _packed_local(t, head, lanes)
+    for k, (t, (head, lanes)) in enumerate(zip(tensors, plan, strict=True)):
+        if t.numel():
+            s, tt = _packed_local(t, head, lanes, offsets[k])
             a = a + s
-            b = b + offset * s + tt
-        offset += n
+            b = b + tt
     return torch.stack([a, b])
 
 
@@ -329,7 +413,8 @@ def _prepare(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _layout(ts: Sequence[torch.Tensor]) -> tuple[object, ...]:
-    """What a compiled graph is specialised for: every tensor's metadata and the thread count."""
+    """What a compiled graph is specialised for: every tensor's metadata and the thread count
+    (global offsets are a runtime input, so they cost no recompilation)."""
     threads = torch.get_num_threads() if ts[0].device.type == "cpu" else 0
     return (threads, *((t.dtype, t.shape, t.stride(), t.storage_offset(), t.device) for t in ts))
 
@@ -361,7 +446,7 @@ def _use_fused(ts: Sequence[torch.Tensor]) -> bool:
         return True
 
 
-def _fused(ts: list[torch.Tensor]) -> torch.Tensor | None:
+def _fused(ts: list[torch.Tensor], offsets: Sequence[int]) -> torch.Tensor | None:
     """The fused result, or ``None`` when compiling this layout failed under ``auto``."""
     plan = tuple(_plan(t) for t in ts)
     try:
@@ -369,7 +454,8 @@ def _fused(ts: list[torch.Tensor]) -> torch.Tensor | None:
             # Inductor notes that it reads float16 and bfloat16 storage in one kernel; the words
             # are integer views, so the note is noise in a training log.
             warnings.filterwarnings("ignore", "bf16 and fp16 are mixed", UserWarning)
-            return _STATE.compiled(ts[0].device.type)(ts, plan)
+            where = _STATE.offsets(tuple(offsets), ts[0].device)
+            return _STATE.compiled(ts[0].device.type)(ts, plan, where)
     except Exception as err:
         layout = _layout(ts)
         with _STATE.lock:
@@ -385,34 +471,146 @@ def _fused(ts: list[torch.Tensor]) -> torch.Tensor | None:
         return None
 
 
-def _eager(ts: list[torch.Tensor]) -> torch.Tensor:
+def _eager_table(ts: list[torch.Tensor], offsets: Sequence[int], stop: int) -> torch.Tensor:
+    """Small lists: per element size, one ``cat`` of the words, one slice (or ``cat`` of
+    slices) of the multiplier table, one widening, two reductions."""
+    device = ts[0].device
+    table = _TABLE.get(device, stop)
+    groups: dict[int, list[tuple[torch.Tensor, int]]] = {}
+    for t, o in zip(ts, offsets, strict=True):
+        if t.numel():
+            groups.setdefault(t.element_size(), []).append((_flat_words(t), o))
+    parts: list[torch.Tensor] = []
+    for size, members in groups.items():
+        words = members[0][0] if len(members) == 1 else torch.cat([w for w, _ in members])
+        first, contiguous = members[0][1], True
+        for (w, o), (_, nxt) in itertools.pairwise(members):
+            contiguous = contiguous and o + w.numel() == nxt
+        mult = (
+            table[first : first + words.numel()]
+            if contiguous
+            else torch.cat([table[o : o + w.numel()] for w, o in members])
+        )
+        w64 = words.to(torch.int64, copy=True)
+        if size < 8:
+            w64.bitwise_and_(_WORD_MASK[size])
+        parts.append(torch.stack([w64.sum(), _dot(w64, mult)]))
+    if not parts:
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+
+
+def _eager(ts: list[torch.Tensor], offsets: Sequence[int]) -> torch.Tensor:
+    stop = max(o + t.numel() for t, o in zip(ts, offsets, strict=True))
+    if stop <= _TABLE_MAX:
+        return _eager_table(ts, offsets, stop)
     device = ts[0].device
     a = torch.zeros((), dtype=torch.int64, device=device)
     b = torch.zeros((), dtype=torch.int64, device=device)
-    offset = 0
-    for t in ts:
-        n = t.numel()
-        if n:
-            s, tt = _eager_local(t)
+    for t, o in zip(ts, offsets, strict=True):
+        if t.numel():
+            s, tt = _eager_local(t, o)
             a = a + s
-            b = b + offset * s + tt
-        offset += n
+            b = b + tt
     return torch.stack([a, b])
 
 
-def fingerprint_on_device(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+def _offsets(ts: Sequence[torch.Tensor], offsets: Sequence[int] | None, start: int) -> list[int]:
+    if offsets is None:
+        out, position = [], start
+        for t in ts:
+            out.append(position)
+            position += t.numel()
+        return out
+    if len(offsets) != len(ts):
+        raise FingerprintError(f"{len(ts)} tensors but {len(offsets)} offsets")
+    if any(o < 0 for o in offsets):
+        raise FingerprintError("global offsets must be ≥ 0")
+    return list(offsets)
+
+
+def fingerprint_on_device(
+    tensors: Iterable[torch.Tensor],
+    *,
+    offsets: Sequence[int] | None = None,
+    start: int = 0,
+) -> torch.Tensor:
     """The two aggregates as a 2-element int64 tensor on the tensors' device (two's-complement
     views of ``A`` and ``B``), with no host synchronisation, ready to all-gather.
-    :func:`fingerprint_from_tensor` turns it into a :class:`Fingerprint`. No tensors: zeros."""
+    :func:`fingerprint_from_tensor` turns it into a :class:`Fingerprint`. No tensors: zeros.
+
+    Positions are global: tensor ``k`` starts at ``offsets[k]`` when given (DDP buckets: each
+    gradient at its parameter's place in the model), else where the previous one ended, the
+    first at ``start`` (buffers after the parameters)."""
     ts = _prepare(tensors)
     if not ts:
         return torch.zeros(2, dtype=torch.int64)
+    where = _offsets(ts, offsets, start)
     with torch.no_grad():
         if _use_fused(ts):
-            out = _fused(ts)
+            out = _fused(ts, where)
             if out is not None:
                 return out
-        return _eager(ts)
+        return _eager(ts, where)
+
+
+class FingerprintPlan:
+    """The fingerprint of one fixed list of tensors (a model's parameters, its buffers), taken
+    every step: what :func:`fingerprint_on_device` would return, for a fraction of its fixed
+    cost on small lists.
+
+    The word views, their groups by element size and the multiplier slices are built once and
+    reused; each call checks that every tensor still has the same storage address, shape,
+    stride and dtype (a parameter whose ``.data`` was replaced, an optimizer state created
+    later) and rebuilds when one changed, so the result is always that of the live tensors.
+    Lists too large for the multiplier table go to :func:`fingerprint_on_device` unchanged.
+    """
+
+    def __init__(self, tensors: Iterable[torch.Tensor], *, start: int = 0) -> None:
+        self.tensors = list(tensors)
+        self._start = start
+        self._key: list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]] | None = None
+        self._groups: list[tuple[list[torch.Tensor], torch.Tensor, int]] = []
+        self._device: torch.device | None = None
+
+    def _signature(self) -> list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]:
+        return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
+
+    def _build(self, key: list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]) -> None:
+        ts = _prepare(self.tensors)
+        self._key, self._groups = key, []
+        self._device = ts[0].device if ts else None
+        where = _offsets(ts, None, self._start)
+        stop = max((o + t.numel() for t, o in zip(ts, where, strict=True)), default=0)
+        contiguous = all(t.is_contiguous() for t in ts)  # else the view would be a copy
+        if not ts or not contiguous or stop > _TABLE_MAX or _STATE.kernel is Kernel.FUSED:
+            return
+        table = _TABLE.get(ts[0].device, stop)
+        groups: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        for t, o in zip(ts, where, strict=True):
+            if t.numel():
+                groups.setdefault(t.element_size(), []).append((_flat_words(t), o))
+        for size, members in groups.items():
+            mult = torch.cat([table[o : o + w.numel()] for w, o in members])
+            self._groups.append(([w for w, _ in members], mult, size))
+
+    def __call__(self) -> torch.Tensor:
+        key = self._signature()
+        if key != self._key:
+            self._build(key)
+        if self._device is None:
+            return torch.zeros(2, dtype=torch.int64)
+        if not self._groups:
+            return fingerprint_on_device(self.tensors, start=self._start)
+        parts = []
+        with torch.no_grad():
+            for views, mult, size in self._groups:
+                words = views[0] if len(views) == 1 else torch.cat(views)
+                w64 = words.to(torch.int64, copy=True)
+                if size < 8:
+                    w64.bitwise_and_(_WORD_MASK[size])
+                parts.append(torch.stack([w64.sum(), _dot(w64, mult)]))
+        return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
 
 
 def weight_fingerprint(tensors: Iterable[torch.Tensor]) -> Fingerprint:
@@ -429,3 +627,4 @@ def fingerprint_from_tensor(t: torch.Tensor) -> Fingerprint:
 
 
 _STATE = _FusedState()
+_TABLE = _Table()

@@ -22,44 +22,46 @@ What runs where, per step:
   all-reduce (and, on audited gradient steps, fingerprints the local bucket);
 * forward pre-hook (on the module the loop calls, outside any compiled region) — seeds the
   micro-batch's RNG and captures the autocast state and, on audited steps, the buffers;
-* end of the step's last ``guard.backward`` — on audited steps the partner's micro-batch is
-  recomputed on the module without DDP (:mod:`detection.audit`), weights still as they were
-  before any optimizer updates them; shipped batches arrive first (:mod:`detection.batches`);
+* end of the step's last ``guard.backward`` — the per-step layer's verdict
+  (:mod:`detection.stepcheck`, one small all-gather) before any optimizer updates a weight;
+  then, on audited steps, the partner's micro-batch is recomputed on the module without DDP
+  (:mod:`detection.audit`), weights still as they were before any optimizer updates them;
+  shipped batches arrive first (:mod:`detection.batches`);
 * ``optimizer.step`` post-hook — injected weight / optimizer-state faults (tests and demos);
 * leaving ``guard.step`` — the weight fingerprint (and, if configured, the optimizer state's);
   then one all-gather of a small int64 row per rank and one host synchronisation, from which
-  every rank reaches the same decision: at most one :class:`~detection.alarm.Alarm` per step,
-  reported once per job by the lowest non-suspect rank.
+  every rank reaches the same decision (:mod:`detection.decision`): at most one
+  :class:`~detection.alarm.Alarm` per step, reported once per job by the lowest non-suspect rank.
 
 Everything before the all-gather stays on the device: no host copy of weights or gradients.
 
-Consequences are not new events: once the replicas' weights diverged, the same divergence at
-later steps (and audit mismatches involving the diverged ranks) is not raised again; non-finite
-gradients on consecutive steps (a NaN that reached the weights) are one event.
+Consequences are not new events, and nothing else is suppressed: once an alarm named replicas
+as diverged, the same divergence at later steps (and audit mismatches between replicas known to
+differ) is not raised again, while a new split among replicas still equal is; once a non-finite
+gradient was applied and the weights are actually non-finite, the steps computed from them are
+the same event. A non-finite gradient the loop skipped poisons nothing. Persistent buffers are
+checked where replicas must agree (:mod:`detection.buffercheck`) and are part of the checkpoint
+fingerprint. The configuration and the errors live in :mod:`detection.guard_config`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import socket
-import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from detection.alarm import Alarm, Layer, Phase
+from detection.alarm import Alarm
 from detection.audit import (
     AuditMode,
-    AuditVerdict,
     PartnerReplay,
-    attribute_audit,
     auditors_of,
     encode_loss,
     ring_partners,
@@ -67,6 +69,7 @@ from detection.audit import (
     step_seed,
 )
 from detection.batches import exchange_batches
+from detection.buffercheck import BufferWatch
 from detection.calibration import (
     GuardCounters,
     NotReplayableError,
@@ -74,24 +77,41 @@ from detection.calibration import (
     check_agreement,
     replay_environment,
 )
+from detection.decision import (
+    OWN,
+    REPLAY,
+    STEP,
+    StepDecision,
+    all_finite,
+    any_nonfinite,
+    flags_word,
+    step_row,
+)
 from detection.faults import FaultInjector, FaultSpec
-from detection.fingerprint import Fingerprint, fingerprint_on_device
+from detection.fingerprint import Fingerprint, FingerprintPlan, fingerprint_on_device
 from detection.gate import CheckpointGate, StepOutcome
+from detection.guard_config import (
+    AlarmSink,
+    GuardConfig,
+    GuardConfigError,
+    GuardError,
+    GuardHaltedError,
+    GuardUsageError,
+    Identity,
+)
 from detection.nonfinite import (
     CheckedCommHook,
     CommHook,
     NonFiniteVerdict,
-    attribute_nonfinite,
 )
 from detection.overflow import recompute_flagged
 from detection.replay import AutocastState, unwrap_ddp
 from detection.replay_mode import ReplayMode
+from detection.stepcheck import StepChecks
 from detection.vote import (
-    VoteVerdict,
     all_gather_rows,
-    majority_vote,
     optimizer_state_tensors,
-    to_fingerprint,
+    persistent_buffers,
     verify_after_load,
 )
 
@@ -110,136 +130,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-# Layout of the row each rank contributes to the per-step all-gather.
-_STEP, _PRE, _POST = 0, 1, 2
-_W = slice(3, 5)  # weight fingerprint after the step
-_S = slice(5, 7)  # optimizer-state fingerprint after the step
-_OWN = slice(7, 10)  # own [loss bits, local-gradient fingerprint a, b]
-_REPLAY = slice(10, 13)  # the same three values recomputed for the partner
-_ROW = 13
-
-
-class GuardError(RuntimeError):
-    """Base of the guard's own errors."""
-
-
-class GuardConfigError(GuardError):
-    """The guard cannot be set up as asked (inconsistent ranks, hook already taken, ...)."""
-
-
-class GuardUsageError(GuardError):
-    """The training loop broke the guard's protocol (see :class:`SDCGuard`)."""
-
-
-class GuardHaltedError(GuardError):
-    """A step was started after the guard halted the job on an alarm."""
-
-
-@dataclass(frozen=True)
-class GuardConfig:
-    """What the guard does; identical on every rank (checked at start-up).
-
-    ``audit_every``: ring audit on steps with ``step % audit_every == 0`` (0: never).
-    ``seed``: dropout seeds derive from (seed, step, rank) — the audit's replay needs them.
-    ``vote_optimizer_state``: vote on the optimizer state as well as the weights. Off by
-    default: replicas apply the same update to the same state, so a corrupted state shows in
-    the weights at the next update — the step whose weights come out wrong, which is then the
-    alarm's step — while reading Adam's state would triple the vote's memory traffic. On, the
-    alarm names the step that wrote the bad state, and also catches state that never reaches
-    the weights (a second moment whose first moment stays zero).
-    ``halt_on_alarm``: set :attr:`SDCGuard.halted` after the step that raised an alarm.
-    ``inject``: fault specs (``--inject`` syntax) for tests and demos.
-    ``micro_batches``: ``guard.backward`` calls per step (gradient accumulation: ``no_sync``
-    around all but the last); a loss audit replays one of them (a different one each audit),
-    a gradient audit the whole group.
-    ``calibrate``: audits that must come out clean (and reproduce each rank's own micro-batch)
-    before the audit arms; until then a mismatch raises
-    :class:`~detection.calibration.NotReplayableError` saying what to change, not an alarm.
-    """
-
-    audit_every: int = 0
-    audit_mode: AuditMode | str = AuditMode.LOSS
-    seed: int = 0
-    vote_optimizer_state: bool = False
-    halt_on_alarm: bool = False
-    inject: tuple[str, ...] = field(default_factory=tuple)
-    micro_batches: int = 1
-    calibrate: int = 0
-
-    def __post_init__(self) -> None:
-        if self.audit_every < 0:
-            raise GuardConfigError(f"audit_every must be ≥ 0, got {self.audit_every}")
-        if self.micro_batches < 1:
-            raise GuardConfigError(f"micro_batches must be ≥ 1, got {self.micro_batches}")
-        if self.calibrate < 0:
-            raise GuardConfigError(f"calibrate must be ≥ 0, got {self.calibrate}")
-        try:
-            object.__setattr__(self, "audit_mode", AuditMode(self.audit_mode))
-        except ValueError:
-            raise GuardConfigError(
-                f"audit_mode must be 'loss' or 'gradient', got {self.audit_mode!r}"
-            ) from None
-        object.__setattr__(self, "inject", tuple(self.inject))
-        for spec in self.inject:
-            FaultSpec.parse(spec)
-
-    @property
-    def mode(self) -> AuditMode:
-        """``audit_mode`` as the enum (it is normalised to one on construction)."""
-        return AuditMode(self.audit_mode)
-
-
-class Identity(Protocol):
-    """What the guard needs of a rank's identity (``detection.identity.RankIdentity``)."""
-
-    @property
-    def node(self) -> str: ...
-
-    def to_dict(self) -> dict[str, Any]: ...
-
-
-class AlarmSink(Protocol):
-    """What the guard needs of the alarm sender (``detection.sender.AlarmSender``)."""
-
-    def send_alarm(self, body: dict[str, Any]) -> str: ...
-
-    def register_ranks(self, ranks: list[dict[str, Any]]) -> None: ...
-
-
-class _Finding(NamedTuple):
-    layer: Layer
-    phase: Phase
-    suspects: tuple[int, ...]
-    detail: dict[str, Any]
-
-
-def _all_finite(rows: Sequence[Sequence[int]]) -> bool:
-    """No rank's loss or gradient was non-finite in this step (from the gathered rows)."""
-    for r in rows:
-        if r[_PRE] or r[_POST]:
-            return False
-        if not math.isfinite(struct.unpack("<d", struct.pack("<q", r[_OWN][0]))[0]):
-            return False
-    return True
-
-
-def _nonfinite_finding(verdict: NonFiniteVerdict) -> _Finding:
-    reason = (
-        "non-finite local gradient"
-        if verdict.pre_ranks
-        else "non-finite gradient after all-reduce from finite local gradients"
-    )
-    return _Finding(
-        Layer.NONFINITE,
-        verdict.phase,
-        verdict.suspects,
-        {
-            "pre_allreduce_ranks": list(verdict.pre_ranks),
-            "post_allreduce_ranks": list(verdict.post_ranks),
-            "reason": reason,
-        },
-    )
-
 
 @dataclass
 class _Step:
@@ -255,6 +145,7 @@ class _Step:
     batches: dict[int, Any] = field(default_factory=dict)  # own, when the loop passes batch=
     shipped: dict[int, Any] | None = None  # the partner's, received on audited steps
     scale: torch.Tensor | None = None  # the GradScaler scale of this step's backward
+    mean_loss: torch.Tensor | None = None  # Σ of the micro-batches' losses / micro_batches
     stepped: set[int] = field(default_factory=set)  # id() of the optimizers that stepped
 
 
@@ -350,23 +241,46 @@ class SDCGuard:
         self.halted = False
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
-        self._nonfinite_open = False
-        self._diverged: frozenset[int] = frozenset()  # replicas known to differ (all: no majority)
         self._replay_seed: int | None = None
+        # What a checkpoint holds and the vote covers: the synchronised parameters, then the
+        # persistent buffers, numbered after them in one global numbering.
+        voted_numel = sum(p.numel() for p in self.voted)
+        self.state_tensors = [*self.voted, *persistent_buffers(self.module)]
+        self._weights_fingerprint = FingerprintPlan(self.voted)
+        self._zeros = torch.zeros(3, dtype=torch.int64, device=self.device)  # never written
+        # Around a compiled DDP the forward pre-hook runs before DDP's buffer broadcast: each
+        # rank then checks its own buffers across steps, and there is nothing to vote on there.
+        self.buffers = BufferWatch(
+            self.module,
+            start=voted_numel,
+            broadcast=bool(getattr(ddp, "broadcast_buffers", True)) and not self.compiled_outer,
+            rank=self.rank,
+            device=self.device,
+        )
         self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
 
         if self.config.mode is AuditMode.GRADIENT and self.audit_every:
-            self._require_determinism()
+            self._check_determinism_possible()
         specs = [FaultSpec.parse(s) for s in self.config.inject]
         self.injector = FaultInjector(specs, rank=self.rank, node=self.node) if specs else None
         if self.injector is not None:
             self.injector.bind(self.module)
+        self.checks = self._step_checks(comm_hook is None)
+        self.decision = StepDecision(
+            world_size=self.world_size,
+            nodes=self.nodes,
+            partners=self.partners,
+            mode=self.config.mode,
+            checks=self.checks,
+            buffers_broadcast=self.buffers.broadcast,
+        )
         self.hook = CheckedCommHook(
             self.params,
             process_group=self.group,
             inner=comm_hook,
             inner_state=comm_state,
             injector=self.injector,
+            observer=self.checks,
         )
         self.hook.register(ddp)
         self.replay = PartnerReplay(
@@ -380,7 +294,10 @@ class SDCGuard:
             micro_batches=self.micro_batches,
             on_seed=self._set_replay_seed,
         )
-        self._handles = [hooked.register_forward_pre_hook(self._before_forward)]
+        self._handles = [
+            hooked.register_forward_pre_hook(self._before_forward),
+            hooked.register_forward_hook(self._after_forward),
+        ]
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(opt.register_step_post_hook(self._after_optimizer_step))
@@ -415,19 +332,58 @@ class SDCGuard:
             raise GuardConfigError("ranks were given different GuardConfig values")
         return tuple(n for n, _, _, _ in everyone), [i for _, _, _, i in everyone]
 
-    def _require_determinism(self) -> None:
+    def _step_checks(self, default_reduction: bool) -> StepChecks:
+        compiled = self.compiled_outer or isinstance(
+            self.module, torch._dynamo.eval_frame.OptimizedModule
+        )
+        if self.config.abft and self.config.step_checks and compiled:
+            raise GuardConfigError(
+                "GuardConfig(abft=True) checks nn.Linear through module hooks, which a compiled "
+                "model traces instead of calling: set abft=False for a torch.compile model (the "
+                "per-step statistics and the all-reduce check stay on), or guard the eager model"
+            )
+        return StepChecks(
+            module=self.module,
+            optimizers=self.optimizers,
+            params=self.params,
+            group=self.group,
+            world_size=self.world_size,
+            config=self.config.stats,
+            enabled=self.config.step_checks,
+            abft=self.config.abft,
+            skip_update=self.config.skip_update_on_alarm,
+            check_reduction=default_reduction,
+            extra=self._extra,
+        )
+
+    def _check_determinism_possible(self) -> None:
+        """Deterministic kernels are switched on only for audited gradient steps (see
+        :meth:`_deterministic`); on CUDA they need cuBLAS configured before the process starts."""
         if self.device.type == "cuda" and not os.environ.get("CUBLAS_WORKSPACE_CONFIG"):
             raise GuardConfigError(
                 "gradient audits on CUDA need deterministic cuBLAS: set "
                 "CUBLAS_WORKSPACE_CONFIG=:4096:8 before the process starts"
             )
+
+    @contextlib.contextmanager
+    def _deterministic(self, on: bool) -> Iterator[None]:
+        """Deterministic algorithms for one audited gradient step — original and replay alike,
+        so the replay is bitwise — and the faster defaults on every other step."""
+        if not on or torch.are_deterministic_algorithms_enabled():
+            yield
+            return
         torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(False)
 
     def close(self) -> None:
         """Remove the guard's module and optimizer hooks (DDP cannot unregister a comm hook)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self.checks.close()
         if self.injector is not None:
             self.injector.close()
 
@@ -454,16 +410,19 @@ class SDCGuard:
         seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
         if self.injector is not None:
             self.injector.begin_step(step)
+        gradient_audit = current.audit and self.config.mode is AuditMode.GRADIENT
         if self.replaying is not None:
             self.replaying.begin_step(step, self.module)
         self.hook.begin_step(
-            fingerprint_gradients=(current.audit and self.config.mode is AuditMode.GRADIENT)
-            or self.replaying is not None,
+            fingerprint_gradients=gradient_audit or self.replaying is not None,
             inject=self.injector is not None and self.injector.any_active(),
         )
+        self.checks.begin_step()
+        self.buffers.begin_step()
         try:
-            yield
-            self._finish(current)
+            with self._deterministic(gradient_audit):
+                yield
+                self._finish(current)
             if self.replaying is not None and current.loss is not None:
                 outcome = self.last_outcome
                 self.replaying.after_step(
@@ -474,6 +433,7 @@ class SDCGuard:
                     self.group,
                 )
         finally:
+            self.checks.end_step()
             self.hook.end_step()
             if self.injector is not None:
                 self.injector.end_step()
@@ -522,6 +482,8 @@ class SDCGuard:
             current.batches[micro] = batch
         if micro == current.loss_micro:
             current.loss = loss.detach()
+        mean = loss.detach() / self.micro_batches
+        current.mean_loss = mean if current.mean_loss is None else current.mean_loss + mean
         if scaler is not None and scaler.is_enabled():
             scaled = scaler.scale(loss)
             current.scale = scaler._scale.detach().clone()  # type: ignore[union-attr]
@@ -533,13 +495,17 @@ class SDCGuard:
             # Whatever the loop draws before the next forward comes from a known state too.
             seed_rng(step_seed(self.config.seed, current.step, self.rank, micro + 1), self.device)
             return
+        # The reduced gradients are in: decide the per-step layer before any optimizer (handed
+        # to the guard or not) updates a weight, then replay the partner on unchanged weights.
+        self._check_before_update(current)
         if current.audit:
             self._run_audit(current)
 
     def verify_loaded(self, expected: Fingerprint | str) -> Fingerprint:
         """After loading a checkpoint: every replica's weights equal the recorded fingerprint
         (collective; raises :class:`~detection.vote.LoadVerificationError`)."""
-        return verify_after_load(self.voted, expected, self.group)
+        self.buffers.forget_previous()
+        return verify_after_load(self.state_tensors, expected, self.group)
 
     # -- hooks -------------------------------------------------------------------------------------
     def _require_step(self, what: str) -> _Step:
@@ -561,6 +527,7 @@ class SDCGuard:
                 seed_rng(self._replay_seed, self.device)
                 self._replay_seed = None
             return
+        self.buffers.forward_started(self._current is not None)
         current = self._current
         if current is None or current.micro >= self.micro_batches:
             return
@@ -575,6 +542,10 @@ class SDCGuard:
             # The original forward, after DDP's buffer broadcast: the replay starts from here.
             self.replay.buffers.capture()
 
+    def _after_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if not self.replay.active:
+            self.buffers.forward_finished(self._current is not None)
+
     def _before_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")
         if id(opt) in current.stepped:
@@ -587,12 +558,18 @@ class SDCGuard:
                 f"optimizer.step() after {current.micro} of {self.micro_batches} backward "
                 "calls: step the optimizer once, after the step's last guard.backward()"
             )
+        self._check_before_update(current)  # a no-op: the last backward decided it
 
     def _after_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")
         current.stepped.add(id(opt))
         if self.injector is not None and opt is self.optimizer:
             self.injector.after_optimizer_step(self.optimizer)
+
+    def _check_before_update(self, current: _Step) -> None:
+        """The per-step layer's verdict (collective, once per step: later calls are no-ops),
+        from the loss averaged over the step's micro-batches and the scale of its backward."""
+        self.checks.before_update(current.step, current.mean_loss, current.scale)
 
     def _micros(self, current: _Step) -> list[int]:
         if self.config.mode is AuditMode.LOSS:
@@ -671,24 +648,28 @@ class SDCGuard:
                 f"calls: set GuardConfig(micro_batches={current.micro}) or call guard.backward "
                 "once per micro-batch"
             )
+        self._check_before_update(current)  # no-ops: the last backward ran both
         self._run_audit(current)
-        zero2 = torch.zeros(2, dtype=torch.int64, device=self.device)
-        state_fp = zero2
+        state_fp = self._zeros[:2]
         if self.config.vote_optimizer_state:
             state = [t for opt in self.optimizers for t in optimizer_state_tensors(opt, self.voted)]
             if state:
                 state_fp = fingerprint_on_device(state).to(self.device)
-        own = torch.cat([encode_loss(current.loss), self.hook.gradient_fingerprint()])
-        replay = current.replay if current.replay is not None else torch.zeros_like(own)
-        row = torch.cat(
-            [
-                torch.tensor([current.step], dtype=torch.int64, device=self.device),
-                self.hook.flags(),
-                fingerprint_on_device(self.voted).to(self.device),
-                state_fp,
-                own,
-                replay,
-            ]
+        poison_possible = self.decision.poison_possible  # weights read only after a NaN step
+        row = step_row(
+            current.step,
+            flags=self.hook.flags(),
+            weights=self._weights_fingerprint(),
+            state=state_fp,
+            own=torch.cat([encode_loss(current.loss), self.hook.gradient_fingerprint()]),
+            replay=current.replay if current.replay is not None else self._zeros[:3],
+            nf=flags_word(
+                self.device,
+                stepped=bool(current.stepped),
+                weights_nonfinite=any_nonfinite(self.params) if poison_possible else None,
+                state_nonfinite=self.checks.state_flag(),
+            ),
+            buffers=self.buffers.row(),
         )
         rows = all_gather_rows(row, self.group)
         if current.self_replays is not None:
@@ -696,87 +677,34 @@ class SDCGuard:
         self._decide(current, rows)
 
     def _decide(self, current: _Step, rows: Sequence[Sequence[int]]) -> None:
-        """Turn the gathered rows into at most one alarm and a step outcome — the same on every
-        rank, since every rank sees the same rows.
-
-        What follows from an event already raised is the same event, not a new one: replicas
-        known to have diverged compute garbage from then on (their non-finite gradients, audit
-        mismatches and further divergence are theirs), and a NaN that reached the weights makes
-        every later step non-finite.
-        """
-        step = current.step
-        if any(r[_STEP] != step for r in rows):
+        """Act on the step's decision (:mod:`detection.decision`) — the same on every rank,
+        since every rank sees the same rows: record the outcome, raise the alarm, tell the
+        gate."""
+        if any(r[STEP] != current.step for r in rows):
             raise GuardUsageError(
-                f"ranks are at different steps: {[r[_STEP] for r in rows]}: pass every rank "
+                f"ranks are at different steps: {[r[STEP] for r in rows]}: pass every rank "
                 "the same step number to guard.step()"
             )
-        known, poisoned = self._diverged, self._nonfinite_open
-        findings: list[_Finding] = []
-
-        nonfinite = attribute_nonfinite(
-            [bool(r[_PRE]) for r in rows], [bool(r[_POST]) for r in rows]
+        decision = self.decision.decide(
+            current.step,
+            rows,
+            audit=current.audit,
+            rank=self.rank,
+            account_for_scaler=lambda nonfinite: self._account_for_scaler(current, nonfinite),
         )
-        nonfinite, resolution = self._account_for_scaler(current, nonfinite)
-        self._nonfinite_open = nonfinite is not None
-        follows = nonfinite is not None and (
-            poisoned or (set(nonfinite.pre_ranks) <= known if nonfinite.pre_ranks else bool(known))
-        )
-        if nonfinite is not None and not follows:
-            finding = _nonfinite_finding(nonfinite)
-            findings.append(finding._replace(detail={**finding.detail, **resolution}))
-
-        weights = [tuple(r[_W]) for r in rows]
-        states = [tuple(r[_S]) for r in rows]
-        verdict = majority_vote([w + s for w, s in zip(weights, states, strict=True)])
-        if verdict.unanimous:
-            if nonfinite is None:  # equal again (not merely equally NaN): forget the divergence
-                self._diverged = frozenset()
-        else:
-            everyone = frozenset(range(self.world_size))
-            now = frozenset(verdict.divergent) if verdict.culprit_known else everyone
-            if not poisoned and not now <= known and not (known and now == everyone):
-                findings.append(self._vote_finding(verdict, weights, states))
-            self._diverged = known | now
-
-        audit_passed = False
-        inconclusive = current.audit and not _all_finite(rows)
-        if current.audit:
-            audit = attribute_audit(
-                self.partners, [r[_OWN] for r in rows], [r[_REPLAY] for r in rows]
-            )
-            # NaN is bit-equal to NaN: an audit over non-finite values proves nothing.
-            audit_passed = audit.passed and not inconclusive
-            touched = known | self._diverged
-            follows = (
-                poisoned
-                or follows
-                or all(a in touched or b in touched for a, b in audit.mismatches)
-            )
-            if not audit.passed and not follows:
-                findings.append(self._audit_finding(audit))
-
-        alarm = self._merge(step, findings)
-        outcome = StepOutcome(
-            step=step,
-            ranks=tuple(range(self.world_size)),
-            fingerprint=to_fingerprint(*rows[self.rank][_W]),
-            vote_passed=verdict.unanimous,
-            audit=self.config.mode if current.audit else None,
-            audit_passed=audit_passed,
-            alarm=alarm,
-        )
-        self.last_outcome = outcome
-        self._tally(current, audit_passed, inconclusive)
-        if alarm is not None:
-            self._raise(alarm)
+        self.last_outcome = decision.outcome
+        self._tally(current, decision.audit_passed, decision.inconclusive)
+        if decision.alarm is not None:
+            self._raise(decision.alarm)
         if self.gate is not None:
-            self.gate.observe(outcome)
+            self.gate.observe(decision.outcome)
 
     def _tally(self, current: _Step, audit_passed: bool, inconclusive: bool) -> None:
         c = self.counters
         c.steps += 1
         c.votes += 1
         c.nonfinite_checks += 1
+        c.step_checks = self.checks.tested_steps
         if current.audit:
             c.audits += 1
             c.audits_passed += int(audit_passed)
@@ -788,13 +716,13 @@ class SDCGuard:
         does — refuses to arm (:class:`NotReplayableError`, the same on every rank)."""
         assert current.self_replays is not None
         selves = all_gather_rows(current.self_replays, self.group)
-        if not _all_finite(rows):
+        if not all_finite(rows):
             return  # non-finite values prove nothing either way: not a clean audit
         causes = calibration_causes(
             current.step,
             self.partners,
-            [r[_OWN] for r in rows],
-            [r[_REPLAY] for r in rows],
+            [r[OWN] for r in rows],
+            [r[REPLAY] for r in rows],
             selves,
             mode=str(self.config.mode),
         )
@@ -811,29 +739,29 @@ class SDCGuard:
 
     def _account_for_scaler(
         self, current: _Step, nonfinite: NonFiniteVerdict | None
-    ) -> tuple[NonFiniteVerdict | None, dict[str, Any]]:
+    ) -> tuple[NonFiniteVerdict | None, dict[str, Any], bool]:
         """Under a GradScaler a non-finite local gradient is normally an overflow the scaler
         handles (it skips the step and lowers the scale), not SDC. On every rank it is taken as
         one; on some ranks only, each such rank's micro-batches are recomputed by its auditor
         at the same scale (collective): non-finite there too is an overflow, finite is SDC and
         stays a finding naming the rank."""
         if current.scale is None or nonfinite is None or not nonfinite.pre_ranks:
-            return nonfinite, {}
+            return nonfinite, {}, False
         flagged = list(nonfinite.pre_ranks)
         if len(flagged) == self.world_size:
             self.counters.overflow_steps += 1
-            return None, {}
+            return None, {}, True
         finite = self._recompute_flagged(current, flagged)
         self.counters.overflow_resolutions += 1
         sdc = tuple(r for r in flagged if finite[r])
         if not sdc:
             self.counters.overflow_steps += 1
-            return None, {}
+            return None, {}, True
         detail = {
             "scaler": "recomputed at the same scale on the auditor: finite, so not an overflow",
             "recomputed_by": {str(r): self.auditors[r] for r in sdc},
         }
-        return NonFiniteVerdict(nonfinite.phase, sdc, sdc, nonfinite.post_ranks), detail
+        return NonFiniteVerdict(nonfinite.phase, sdc, sdc, nonfinite.post_ranks), detail, False
 
     def _recompute_flagged(self, current: _Step, flagged: Sequence[int]) -> list[int]:
         """``finite[r]`` for each flagged rank ``r``, as recomputed by ``r``'s auditor."""
@@ -852,74 +780,9 @@ class SDCGuard:
         self.counters.batches_shipped += shipped
         return finite
 
-    def _vote_finding(
-        self,
-        verdict: VoteVerdict,
-        weights: Sequence[tuple[int, ...]],
-        states: Sequence[tuple[int, ...]],
-    ) -> _Finding:
-        parts = [
-            name
-            for name, values in (("weights", weights), ("optimizer_state", states))
-            if len(set(values)) > 1
-        ]
-        detail: dict[str, Any] = {
-            "diverged": "+".join(parts),
-            "replicas": self.world_size,
-            "fingerprints": {str(r): to_fingerprint(*w).hex() for r, w in enumerate(weights)},
-        }
-        if "optimizer_state" in parts:
-            detail["optimizer_state_fingerprints"] = {
-                str(r): to_fingerprint(*s).hex() for r, s in enumerate(states)
-            }
-        if not verdict.culprit_known:
-            detail["culprit"] = "unknown"
-            detail["reason"] = (
-                "two replicas can say that they differ, never which one is wrong"
-                if self.world_size == 2
-                else "no strict majority among the replicas"
-            )
-        return _Finding(Layer.FINGERPRINT, Phase.WEIGHTS, verdict.divergent, detail)
-
-    def _audit_finding(self, audit: AuditVerdict) -> _Finding:
-        lone = len(audit.mismatches) == 1
-        phase = Phase.LOSS if self.config.mode is AuditMode.LOSS else Phase.GRADIENT
-        return _Finding(
-            Layer.AUDIT,
-            phase,
-            audit.suspects,
-            {
-                "mode": str(self.config.mode),
-                "mismatched_pairs": [{"auditor": a, "audited": b} for a, b in audit.mismatches],
-                "attribution": "a single disagreeing pair: either side may have erred"
-                if lone
-                else "ranks wrong both in their own result and in their recomputation",
-            },
-        )
-
-    def _merge(self, step: int, findings: Sequence[_Finding]) -> Alarm | None:
-        """One alarm per step: the most specific finding leads (non-finite names the rank that
-        produced the value, the vote names the divergent replica, the audit names pairs); the
-        others ride along in ``detail.also``."""
-        if not findings:
-            return None
-        lead = findings[0]
-        detail = lead.detail
-        if len(findings) > 1:
-            also = [
-                {
-                    "layer": str(f.layer),
-                    "phase": str(f.phase),
-                    "suspect_ranks": list(f.suspects),
-                    **f.detail,
-                }
-                for f in findings[1:]
-            ]
-            detail = {**detail, "also": also}
-        return Alarm.for_ranks(step, lead.layer, lead.phase, lead.suspects, self.nodes, detail)
-
     def _raise(self, alarm: Alarm) -> None:
         self.alarms.append(alarm)
+        self.counters.alarms += 1
         reporter = alarm.reporting_rank(self.world_size)
         extra = {
             **self._extra,

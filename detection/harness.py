@@ -51,7 +51,12 @@ from detection.gate import CheckpointGate, StepOutcome
 from detection.guard import GuardConfig, SDCGuard
 from detection.identity import RankIdentity
 from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
-from detection.vote import all_gather_rows, to_fingerprint, verify_after_load
+from detection.vote import (
+    all_gather_rows,
+    model_state_tensors,
+    to_fingerprint,
+    verify_after_load,
+)
 
 __all__ = [
     "HarnessConfigError",
@@ -428,7 +433,7 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
     ddp.reducer._push_all_rebuilt_params()
     params = list(model.parameters())
     if expected is not None:
-        verify_after_load(params, expected)
+        verify_after_load(model_state_tensors(model), expected)
         _log.info("resumed from %s at step %d", config.resume_from, start, extra=extra)
 
     def microbatch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -497,7 +502,7 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                 probe.close()
                 _write_probe(config, rank, probe)
             if trace is not None or capture is not None:
-                _trace_step(trace, step, loss, capture, params, outcome)
+                _trace_step(trace, step, loss, capture, model_state_tensors(model), outcome)
             completed = step  # after its trace line: a stopped run's report matches its trace
             completed_fp = outcome.fingerprint if outcome is not None else None
             if gate is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
@@ -505,7 +510,7 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                     outcome = StepOutcome(
                         step=step,
                         ranks=tuple(range(world)),
-                        fingerprint=weight_fingerprint(params),
+                        fingerprint=weight_fingerprint(model_state_tensors(model)),
                         vote_passed=False,
                     )
                     gate.observe(outcome)
@@ -535,7 +540,10 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                 gate.flush()
     # A stopped run reports the weights after its last complete step: the signal may have
     # landed inside an update, so the live tensors are not a state any step produced.
-    final = completed_fp if terminating and completed_fp is not None else weight_fingerprint(params)
+    if terminating and completed_fp is not None:
+        final = completed_fp
+    else:
+        final = weight_fingerprint(model_state_tensors(model))
     alarms = guard.alarms if guard is not None else []
     report: dict[str, Any] = {
         "world_size": world,

@@ -22,7 +22,7 @@ replay must group its gradients by.
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,23 @@ from detection.alarm import Phase
 from detection.faults import FaultInjector
 from detection.fingerprint import fingerprint_on_device
 
-__all__ = ["CheckedCommHook", "CommHook", "NonFiniteVerdict", "attribute_nonfinite"]
+__all__ = [
+    "BucketObserver",
+    "CheckedCommHook",
+    "CommHook",
+    "NonFiniteVerdict",
+    "attribute_nonfinite",
+]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
+
+
+class BucketObserver(Protocol):
+    """What else looks at each bucket before and after all-reduce (``detection.stepcheck``)."""
+
+    def on_local(self, key: int, bucket: dist.GradBucket) -> None: ...
+
+    def on_reduced(self, key: int, reduced: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -84,11 +98,18 @@ class CheckedCommHook:
         inner: CommHook | None = None,
         inner_state: Any = None,
         injector: FaultInjector | None = None,
+        observer: BucketObserver | None = None,
     ) -> None:
         self._index = {id(p): i for i, p in enumerate(params)}
+        # Each gradient is fingerprinted at its parameter's global position, so the buckets'
+        # fingerprints add up to the whole gradient's and never cancel across buckets.
+        self._offset = [0] * len(params)
+        for i in range(1, len(params)):
+            self._offset[i] = self._offset[i - 1] + params[i - 1].numel()
         self._inner: CommHook = inner if inner is not None else allreduce_hook
         self._inner_state = inner_state if inner is not None else process_group
         self._injector = injector
+        self._observer = observer
         self._device = params[0].device
         self._pre: dict[int, torch.Tensor] = {}
         self._post: dict[int, torch.Tensor] = {}
@@ -131,8 +152,12 @@ class CheckedCommHook:
         if self._inject and self._injector is not None:
             self._injector.on_local_gradient(pairs)
         self._pre[key] = _bucket_sum(buffer)
+        if self._observer is not None:
+            self._observer.on_local(key, bucket)
         if self._fingerprint:
-            self._grad_fp[key] = fingerprint_on_device([g for _, g in pairs])
+            self._grad_fp[key] = fingerprint_on_device(
+                [g for _, g in pairs], offsets=[self._offset[i] for i, _ in pairs]
+            )
             self._partition[key] = [i for i, _ in pairs]
         offsets = [(i, g.storage_offset() - buffer.storage_offset(), g.numel()) for i, g in pairs]
 
@@ -143,6 +168,8 @@ class CheckedCommHook:
                 flat = reduced.reshape(-1)
                 self._injector.on_reduced_gradient([(i, flat[o : o + n]) for i, o, n in offsets])
             self._post[key] = _bucket_sum(reduced)
+            if self._observer is not None:
+                self._observer.on_reduced(key, reduced)
             return reduced
 
         return self._inner(self._inner_state, bucket).then(after)

@@ -5,9 +5,13 @@ thread; that thread posts the spool's head, signed at send time, and removes it 
 webhook answered 2xx. Invariants:
 
 * **Nothing is lost while the webhook is down.** A message leaves the spool only on a 2xx
-  answer or as a permanent failure moved to ``dead/``. Connection errors, timeouts, 5xx, 408
-  and 429 retry the head with capped exponential backoff and jitter (``Retry-After`` is
-  honoured up to the cap), forever.
+  answer or moved to ``dead/``. Connection errors, timeouts, 408, 429 and 401 retry the head
+  with capped exponential backoff and jitter (``Retry-After`` is honoured up to the cap),
+  forever: 401 too, because a refused signature is what a key rotation in progress or a
+  clock skew look like, and both heal without touching the message.
+* **One message cannot block the queue.** A message the webhook answers with 5xx
+  ``max_server_errors`` times in a row is moved to ``dead/`` with an ERROR naming it, and the
+  queue goes on (a server that fails on one body would otherwise hold every later alarm).
 * **Strict order.** Messages carry an increasing sequence number in their file name; only the
   head is ever in flight, so the webhook sees them in the order ``send_*`` was called, across
   retries and across process restarts.
@@ -15,13 +19,17 @@ webhook answered 2xx. Invariants:
   into place (then the directory is fsynced), so the spool never holds a torn message. A new
   sender on the same ``spool_dir`` re-sends what a dead process left, before anything new.
   A flock on ``spool_dir/.lock`` keeps two live senders off one spool.
-* **A poisoned message never wedges the queue.** A 4xx other than 408/429 (schema error,
-  forged or stale signature, too large) is permanent: the message moves to ``dead/`` with the
-  status and the webhook's reason, an ERROR is logged, and the queue moves on. So does an
-  unreadable spool file, and a temporary file a crash left behind mid-write.
+* **A poisoned message never wedges the queue.** A 4xx other than 401/408/429 (schema error,
+  too large) is permanent: the message moves to ``dead/`` with the status and the webhook's
+  reason, an ERROR is logged, and the queue moves on. So does an unreadable spool file, and a
+  temporary file a crash left behind mid-write.
+* **A leftover spool is drained.** What a job left in its spool when it ended is sent by the
+  next sender on that directory (the job's next start) or by :func:`drain_spool`
+  (``sdcguard spool drain DIR``).
 
 Delivery is at least once: a crash between the webhook's 2xx and the file's removal re-sends
-that message, which the webhook deduplicates by ``alarm_id``.
+that message, and a job that runs again re-detects its events; the webhook deduplicates by
+``alarm_id``, which is deterministic per event (:func:`event_alarm_id`).
 
 The retry loop is written here by hand because ``detection`` ships in training images and may
 depend only on torch, httpx and the standard library.
@@ -40,6 +48,7 @@ import re
 import threading
 import uuid
 from collections import deque
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -48,15 +57,20 @@ from urllib.parse import quote
 
 import httpx
 
+from detection.alarm import event_alarm_id
 from detection.signing import DEFAULT_KEY_ID, signed_headers
 
 __all__ = [
     "AlarmSender",
+    "DrainResult",
     "InvalidMessageError",
     "SenderClosedError",
     "SenderError",
     "SpoolBusyError",
     "SpoolError",
+    "drain_spool",
+    "event_alarm_id",
+    "find_spools",
 ]
 
 _log = logging.getLogger(__name__)
@@ -66,7 +80,7 @@ _TMP_PREFIX = ".tmp-"
 _DEAD = "dead"
 _LOCK = ".lock"
 _ENVELOPE_VERSION = 1
-_RETRY_STATUSES = frozenset({408, 429})
+_RETRY_STATUSES = frozenset({401, 408, 429})
 _REASON_LIMIT = 2000
 
 
@@ -158,6 +172,14 @@ class _Temporary(Exception):
         self.retry_after = retry_after
 
 
+class _ServerError(_Temporary):
+    """A 5xx answer: temporary, but only ``max_server_errors`` times in a row per message."""
+
+    def __init__(self, status: int, reason: str, retry_after: float | None) -> None:
+        super().__init__(reason, retry_after)
+        self.status = status
+
+
 class _Permanent(Exception):
     """The webhook refused the message for good; retrying would only block the queue."""
 
@@ -185,6 +207,7 @@ class AlarmSender:
         timeout_s: float = 5.0,
         backoff_initial_s: float = 0.2,
         backoff_max_s: float = 30.0,
+        max_server_errors: int = 8,
         transport: httpx.BaseTransport | None = None,
         key_id: str = DEFAULT_KEY_ID,
     ) -> None:
@@ -197,6 +220,9 @@ class AlarmSender:
             raise ValueError("the webhook secret must not be empty")
         if timeout_s <= 0 or backoff_initial_s <= 0 or backoff_max_s < backoff_initial_s:
             raise ValueError("need timeout_s > 0 and 0 < backoff_initial_s <= backoff_max_s")
+        if max_server_errors < 1:
+            raise ValueError("max_server_errors must be ≥ 1")
+        self._max_server_errors = max_server_errors
         self._base = str(base).rstrip("/")
         self._secret = secret
         self._key_id = key_id
@@ -245,11 +271,11 @@ class AlarmSender:
     def send_alarm(self, body: dict[str, Any]) -> str:
         """Spool one alarm (DESIGN alarm body) and return its ``alarm_id``.
 
-        Adds ``alarm_id`` (uuid4), ``sent_at`` (RFC 3339, now) and ``job_id`` when absent;
-        the caller's dict is not modified."""
+        Adds ``job_id``, ``alarm_id`` (:func:`event_alarm_id`, deterministic per event) and
+        ``sent_at`` (RFC 3339, now) when absent; the caller's dict is not modified."""
         message = dict(body)
-        alarm_id = str(message.setdefault("alarm_id", str(uuid.uuid4())))
         message.setdefault("job_id", self.job_id)
+        alarm_id = str(message.setdefault("alarm_id", event_alarm_id(message)))
         message.setdefault("sent_at", _rfc3339_now())
         self._enqueue("alarm", "/v1/alarms", message)
         return alarm_id
@@ -392,6 +418,7 @@ class AlarmSender:
     def _run(self) -> None:
         delay = self._backoff_initial
         failures = 0  # consecutive failed attempts on the current head
+        server_errors = 0  # consecutive 5xx answers to the current head
         while True:
             with self._cv:
                 self._cv.wait_for(lambda: self._closing or bool(self._queue))
@@ -408,6 +435,19 @@ class AlarmSender:
                     dead = (err.status, err.reason)
                 self._finish(head, dead)
             except _Temporary as err:
+                server_errors = server_errors + 1 if isinstance(err, _ServerError) else 0
+                if isinstance(err, _ServerError) and server_errors >= self._max_server_errors:
+                    why = f"gave up after {server_errors} server errors in a row: {err.reason}"
+                    try:
+                        self._finish(head, (err.status, why))
+                    except Exception:
+                        _log.exception(
+                            "alarm sender: cannot move the message to dead/", extra=extra
+                        )
+                    else:
+                        failures = server_errors = 0
+                        delay = self._backoff_initial
+                        continue
                 wait = self._next_wait(delay, err.retry_after)
                 failures += 1
                 level = logging.WARNING if failures == 1 else logging.DEBUG
@@ -427,6 +467,7 @@ class AlarmSender:
                     extra=dict(extra, attempt=failures),
                 )
             else:
+                server_errors = 0
                 if failures:
                     _log.info(
                         "alarm sender: webhook reachable again after %d failed attempts",
@@ -486,7 +527,11 @@ class AlarmSender:
             )
             return
         reason = f"HTTP {status} {response.reason_phrase}: {response.text[:_REASON_LIMIT]}"
-        if status >= 500 or status in _RETRY_STATUSES:
+        if status >= 500:
+            raise _ServerError(status, reason, _retry_after(response))
+        if status == 401:
+            reason += " (a key rotation in progress or clock skew? the message stays spooled)"
+        if status in _RETRY_STATUSES:
             raise _Temporary(reason, _retry_after(response))
         raise _Permanent(status, reason)
 
@@ -494,3 +539,63 @@ class AlarmSender:
         with contextlib.suppress(OSError):
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         os.close(self._lock_fd)
+
+
+@dataclass(frozen=True)
+class DrainResult:
+    """What :func:`drain_spool` did: messages found, delivered, and left spooled; messages
+    moved to ``dead/`` during the drain."""
+
+    found: int
+    delivered: int
+    left: int
+    dead: int
+
+
+def _spool_job(spool_dir: Path) -> str:
+    """The job a spool belongs to, read from its oldest message (the sender only uses it for
+    log context and for paths of new messages, of which a drain sends none)."""
+    for entry in sorted(spool_dir.glob("*.json")):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            body = json.loads(json.loads(entry.read_bytes())["body"])
+            if isinstance(body, dict) and body.get("job_id"):
+                return str(body["job_id"])
+    return spool_dir.name or "spool"
+
+
+def drain_spool(
+    spool_dir: str | Path,
+    url: str,
+    secret: str | bytes,
+    *,
+    timeout_s: float = 60.0,
+    **options: Any,
+) -> DrainResult:
+    """Send what a finished job left in ``spool_dir`` (one rank's spool), in order, waiting up
+    to ``timeout_s``; what is still undelivered stays spooled for a later drain. Refuses a
+    spool a live sender holds (:class:`SpoolBusyError`)."""
+    directory = Path(spool_dir)
+    if not directory.is_dir():
+        raise SpoolError(f"no spool at {directory}")
+    dead_dir = directory / _DEAD
+    dead_before = len(list(dead_dir.glob("*.json"))) if dead_dir.is_dir() else 0
+    sender = AlarmSender(url, secret, _spool_job(directory), directory, **options)
+    found = sender.pending()
+    try:
+        sender.flush(timeout_s)
+        left = sender.pending()
+    finally:
+        sender.close(timeout_s=0.0)
+    dead = len(list(dead_dir.glob("*.json"))) - dead_before
+    return DrainResult(found=found, delivered=found - left - dead, left=left, dead=dead)
+
+
+def find_spools(root: str | Path) -> list[Path]:
+    """The spool directories at or under ``root`` (a job's spool root holds one per rank):
+    every directory a sender ever opened (it holds the ``.lock`` file) or that holds messages."""
+    base = Path(root)
+    if not base.is_dir():
+        raise SpoolError(f"no spool at {base}")
+    found = {p.parent for p in base.rglob(_LOCK)}
+    found |= {p.parent for p in base.rglob("*.json") if _NAME.match(p.name)}
+    return sorted(d for d in found if d.name != _DEAD)

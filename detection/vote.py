@@ -10,20 +10,24 @@ and the verdict says so instead of guessing.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from detection.fingerprint import Fingerprint, fingerprint_on_device
 
 __all__ = [
+    "KnownDivergence",
     "LoadVerificationError",
     "VoteVerdict",
     "all_gather_rows",
     "majority_vote",
+    "model_state_tensors",
     "optimizer_state_tensors",
+    "persistent_buffers",
     "to_fingerprint",
     "verify_after_load",
 ]
@@ -55,6 +59,77 @@ def majority_vote(values: Sequence[Hashable]) -> VoteVerdict:
         divergent = tuple(rank for rank, v in enumerate(values) if v != top)
         return VoteVerdict(unanimous=False, culprit_known=True, divergent=divergent)
     return VoteVerdict(unanimous=False, culprit_known=False, divergent=())
+
+
+class KnownDivergence:
+    """Which replicas are *known* to hold different weights: the classes of equal replicas at
+    the last divergence that was alarmed.
+
+    A divergence is known only once an alarm named it, and it stays known only as precisely as
+    it was seen: ranks in different classes compute different things from then on (their later
+    disagreement is a consequence), ranks in one class must keep agreeing. So a divergence
+    without a majority (every rank in its own class, or a tie) does not blind the guard: a
+    later split inside a class is a new event, and so is an audit mismatch between two ranks
+    of one class. Weights equal again (unanimous and finite) forget it.
+    """
+
+    def __init__(self) -> None:
+        self.classes: tuple[frozenset[int], ...] = ()
+
+    @staticmethod
+    def partition(values: Sequence[Hashable]) -> tuple[frozenset[int], ...]:
+        groups: dict[Hashable, set[int]] = {}
+        for rank, value in enumerate(values):
+            groups.setdefault(value, set()).add(rank)
+        return tuple(sorted((frozenset(g) for g in groups.values()), key=min))
+
+    def is_new(self, values: Sequence[Hashable]) -> bool:
+        """Whether ``values`` (one per rank) split replicas not known to differ."""
+        if len(set(values)) <= 1:
+            return False
+        if not self.classes:
+            return True
+        return any(len({values[r] for r in cls}) > 1 for cls in self.classes)
+
+    def apart(self, a: int, b: int) -> bool:
+        """Whether ranks ``a`` and ``b`` are known to hold different weights."""
+        return any((a in cls) != (b in cls) for cls in self.classes)
+
+    def record(self, values: Sequence[Hashable]) -> None:
+        self.classes = self.partition(values)
+
+    def clear(self) -> None:
+        self.classes = ()
+
+    def minority(self) -> frozenset[int]:
+        """Ranks outside a strict-majority class: the replicas an alarm named as wrong. Empty
+        when no class holds a strict majority (then nobody is known to be the wrong one)."""
+        total = sum(len(c) for c in self.classes)
+        for cls in self.classes:
+            if 2 * len(cls) > total and total >= 3:
+                return frozenset(range(total)) - cls
+        return frozenset()
+
+
+def persistent_buffers(module: nn.Module) -> list[torch.Tensor]:
+    """The module's persistent buffers (what ``state_dict`` saves), in ``buffers()`` order,
+    each once."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for mod in module.modules():
+        skip = mod._non_persistent_buffers_set
+        for name, buf in mod._buffers.items():
+            if buf is None or name in skip or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append(buf)
+    return out
+
+
+def model_state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Parameters, then persistent buffers: the model state a checkpoint holds and
+    :func:`verify_after_load` checks."""
+    return list(module.parameters()) + persistent_buffers(module)
 
 
 def to_fingerprint(a: int, b: int) -> Fingerprint:
@@ -107,12 +182,14 @@ class LoadVerificationError(RuntimeError):
 
 
 def verify_after_load(
-    params: Sequence[torch.Tensor],
+    params: Iterable[torch.Tensor],
     expected: Fingerprint | str,
     group: dist.ProcessGroup | None = None,
 ) -> Fingerprint:
-    """Collective: every replica fingerprints its weights after a checkpoint load and all must
-    equal ``expected`` (the fingerprint recorded with the checkpoint). A checksum of the file
+    """Collective: every replica fingerprints its model state after a checkpoint load — the
+    parameters followed by the persistent buffers (:func:`model_state_tensors`), since a
+    checkpoint holds both — and all must equal ``expected`` (the fingerprint recorded with
+    the checkpoint). A checksum of the file
     only proves the bytes were stored faithfully; this proves every replica now holds exactly
     those weights. Raises :class:`LoadVerificationError` on every rank, naming the ranks."""
     want = Fingerprint.from_hex(expected) if isinstance(expected, str) else expected

@@ -353,6 +353,46 @@ def db_upgrade(
     typer.echo("ledger schema is up to date")
 
 
+spool_app = typer.Typer(
+    help="Alarm spools a job left on disk: what its ranks could not deliver in time.",
+    no_args_is_help=True,
+)
+app.add_typer(spool_app, name="spool")
+
+
+@spool_app.command("drain")
+def spool_drain(
+    directory: Annotated[
+        Path, typer.Argument(help="A rank's spool, or a job's spool root (one per rank).")
+    ],
+    webhook: Annotated[
+        str,
+        typer.Option(envvar="SDCGUARD_WEBHOOK_URL", help="The webhook's base URL."),
+    ],
+    timeout: Annotated[float, typer.Option(help="Seconds to wait per spool.")] = 60.0,
+) -> None:
+    """Send every leftover alarm and ledger record, in order, signed with
+    SDCGUARD_WEBHOOK_SECRET. Alarm ids are deterministic per event, so a message the job's
+    next start also sends is recorded once. Exits 1 while anything is left undelivered."""
+    import os
+
+    from detection.sender import drain_spool, find_spools
+
+    secret = os.environ.get("SDCGUARD_WEBHOOK_SECRET")
+    if not secret:
+        raise typer.BadParameter("set SDCGUARD_WEBHOOK_SECRET", param_hint="environment")
+    left = 0
+    for spool in find_spools(directory):
+        result = drain_spool(spool, webhook, secret, timeout_s=timeout)
+        left += result.left
+        typer.echo(
+            f"{spool}: {result.found} found, {result.delivered} delivered, "
+            f"{result.dead} dead-lettered, {result.left} left"
+        )
+    if left:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -22,6 +22,10 @@ Invariants:
   evidence that itself names exactly that node (a strict-majority fingerprint vote or a ring
   audit), and never while the storm guard trips. Two replicas that disagree can say "they
   differ", never "which one", so weaker evidence always waits for a human.
+- The per-step layer's findings (``gradstats``, ``allreduce``, ``optstate``, ``abft``) are weaker
+  evidence: a statistical outlier, a rounding bound or a calibrated tolerance, not a recomputation
+  or a majority. They never back an automatic approval on their own; an incident whose only
+  evidence they are waits for a human, and the refusal says why.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "WEAKER_LAYERS",
     "AlarmEvidence",
     "AutoApproval",
     "IncidentPolicy",
@@ -52,6 +57,9 @@ _AUDIT_LAYER = "audit"
 _NONFINITE_LAYER = "nonfinite"
 _PRE_ALLREDUCE = "pre-allreduce"
 _HARDWARE = "hardware"
+# The per-step layer (detection.stepcheck): evidence on the step itself, weaker than a vote or
+# an audit, so never sufficient alone for auto-approval.
+WEAKER_LAYERS = frozenset({"gradstats", "allreduce", "optstate", "abft"})
 
 
 class NodeAction(StrEnum):
@@ -303,6 +311,13 @@ def auto_approval(
             False, f"auto-approval refused: the verdict is {verdict or 'missing'}, not hardware"
         )
     backing = [a for a in alarms if _names_exactly(a, verdict_node)]
+    if not backing and any(a.layer in WEAKER_LAYERS for a in alarms):
+        weaker = sorted({a.layer for a in alarms if a.layer in WEAKER_LAYERS})
+        return AutoApproval(
+            False,
+            f"auto-approval refused: the only evidence is the per-step layer ({', '.join(weaker)})"
+            ", statistical or algebraic findings weaker than a vote or an audit; a human decides",
+        )
     if not backing:
         return AutoApproval(
             False,

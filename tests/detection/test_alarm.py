@@ -44,7 +44,7 @@ def test_webhook_body_has_exactly_the_design_fields() -> None:
         "detail",
         "sent_at",
     }
-    assert uuid.UUID(body["alarm_id"]).version == 4
+    assert uuid.UUID(body["alarm_id"]).version == 5  # uuid5: deterministic per event
     assert (body["job_id"], body["step"], body["rank"], body["node"]) == ("job-7", 37, 0, "node-0")
     assert (body["layer"], body["phase"]) == ("audit", "loss")
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", body["sent_at"])
@@ -52,9 +52,15 @@ def test_webhook_body_has_exactly_the_design_fields() -> None:
     json.dumps(body)
 
 
-def test_each_webhook_body_gets_a_fresh_alarm_id() -> None:
+def test_alarm_ids_are_deterministic_per_event() -> None:
+    """A re-run of the job and a second reporter send the same id: the ledger dedups."""
     alarm = _alarm([2])
-    assert alarm.to_webhook("j", 0, "n")["alarm_id"] != alarm.to_webhook("j", 0, "n")["alarm_id"]
+    first = alarm.to_webhook("j", 0, "n")["alarm_id"]
+    assert alarm.to_webhook("j", 0, "n")["alarm_id"] == first  # the job runs the step again
+    assert alarm.to_webhook("j", 1, "other")["alarm_id"] == first  # another reporting rank
+    assert str(uuid.UUID(first)) == first
+    assert _alarm([3]).to_webhook("j", 0, "n")["alarm_id"] != first  # another event
+    assert alarm.to_webhook("other-job", 0, "n")["alarm_id"] != first
 
 
 def test_reporting_rank_is_the_lowest_rank_not_suspected() -> None:
@@ -66,11 +72,22 @@ def test_reporting_rank_is_the_lowest_rank_not_suspected() -> None:
 
 
 def test_enums_carry_the_design_strings() -> None:
-    assert [str(x) for x in Layer] == ["nonfinite", "audit", "fingerprint"]
+    assert [str(x) for x in Layer] == [
+        "nonfinite",
+        "audit",
+        "fingerprint",
+        "gradstats",
+        "allreduce",
+        "optstate",
+        "abft",
+    ]
     assert [str(x) for x in Phase] == [
         "pre-allreduce",
         "post-allreduce",
         "loss",
         "gradient",
         "weights",
+        "optimizer-state",
+        "forward",
+        "backward",
     ]

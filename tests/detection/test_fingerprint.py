@@ -22,17 +22,31 @@ MASK = (1 << 64) - 1
 SIGNED_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def reference(tensors: Sequence[torch.Tensor]) -> Fingerprint:
-    """The definition, in Python integers: unsigned words, global 1-based positions."""
+def splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def multiplier(i: int) -> int:
+    return splitmix64(i) | 1
+
+
+def reference(tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None) -> Fingerprint:
+    """The definition, in Python integers: unsigned words, global 0-based positions, each
+    weighted by splitmix64(position) | 1."""
     a = b = 0
     i = 0
-    for t in tensors:
+    for k, t in enumerate(tensors):
+        if offsets is not None:
+            i = offsets[k]
         size = t.element_size()
         for signed in t.reshape(-1).view(SIGNED_VIEW[size]).tolist():
             w = signed % (1 << (8 * size))
-            i += 1
             a += w
-            b += i * w
+            b += multiplier(i) * w
+            i += 1
     return Fingerprint(a & MASK, b & MASK)
 
 
@@ -96,8 +110,7 @@ def test_eager_kernel_is_exact_across_chunks_and_with_wrapping_sums() -> None:
     big = random_bits((2 * fp._CHUNK + 3,), torch.float32, gen)
     tensors = [random_bits((5,), torch.float16, gen), big, random_bits((9,), torch.float64, gen)]
     unsigned = big.view(torch.int32).double() % 2**32
-    positions = torch.arange(1, big.numel() + 1, dtype=torch.float64)
-    assert float(unsigned @ positions) > 2**64  # B really wraps
+    assert float(unsigned.sum()) * 2**32 > 2**64  # B really wraps (multipliers are ~2**63)
     assert weight_fingerprint(tensors) == reference(tensors)
 
 
@@ -176,18 +189,94 @@ def test_a_pair_of_flips_that_cancels_in_a_is_caught_by_b() -> None:
     flipped = flip(flip(t, 10, 30), 4000, 30)
     clean, hit = weight_fingerprint([t]), weight_fingerprint([flipped])
     assert hit.a == clean.a  # the pair cancels in A ...
-    assert (hit.b - clean.b) % 2**64 == ((10 - 4000) * 2**30) % 2**64 != 0  # ... never in B
+    change = ((multiplier(10) - multiplier(4000)) * 2**30) % 2**64
+    assert (hit.b - clean.b) % 2**64 == change != 0  # ... not in B
+
+
+def _add_to_word(t: torch.Tensor, index: int, delta: int) -> None:
+    words = t.reshape(-1).view(torch.int32)
+    value = (int(words[index]) + delta + 2**31) % 2**32 - 2**31
+    words[index] = value
+
+
+@pytest.mark.parametrize("kernel", [Kernel.EAGER, Kernel.FUSED])
+def test_plus_x_minus_two_x_plus_x_over_three_adjacent_words_changes_it(kernel: Kernel) -> None:
+    """The second difference of (i + 1) is zero, so this pattern cancelled in both aggregates
+    of the old definition; pseudo-random multipliers catch it at any place and any bit."""
+    fp.set_kernel(kernel)
+    gen = torch.Generator().manual_seed(21)
+    t = random_bits((4099,), torch.float32, gen)
+    tensors = [t[:1000], t[1000:]]
+    clean = fingerprint_from_tensor(fingerprint_on_device(tensors))
+    for start, x in [(0, 1), (998, 1 << 20), (2000, 3), (4096, 1 << 29)]:
+        hit = t.clone()
+        for k, factor in enumerate((1, -2, 1)):
+            _add_to_word(hit, start + k, factor * x)
+        got = fingerprint_from_tensor(fingerprint_on_device([hit[:1000], hit[1000:]]))
+        assert got.a == clean.a, start  # the pattern sums to zero: A cannot see it
+        assert got.b != clean.b, start
+        assert got == reference([hit[:1000], hit[1000:]])
+
+
+def test_equal_opposite_flips_at_the_same_offset_of_two_buckets_change_the_sum() -> None:
+    """Gradient fingerprints are per bucket at global offsets: the buckets' sum is the whole
+    gradient's fingerprint, and a +d / -d pair at the same local offset no longer cancels."""
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(22)
+    first, second = random_bits((300,), torch.float32, gen), random_bits((300,), torch.float32, gen)
+
+    def summed(x: torch.Tensor, y: torch.Tensor) -> Fingerprint:
+        total = fingerprint_on_device([x], offsets=[0]) + fingerprint_on_device([y], offsets=[300])
+        return fingerprint_from_tensor(total)
+
+    clean = summed(first, second)
+    assert clean == weight_fingerprint([first, second])  # concatenation is addition
+    hit1, hit2 = first.clone(), second.clone()
+    _add_to_word(hit1, 17, 1 << 25)
+    _add_to_word(hit2, 17, -(1 << 25))
+    got = summed(hit1, hit2)
+    assert got.a == clean.a
+    assert got.b != clean.b
+    assert got == reference([hit1, hit2])
+
+
+def test_offsets_place_tensors_at_global_positions() -> None:
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(23)
+    x, y = random_bits((7,), torch.float32, gen), random_bits((5,), torch.bfloat16, gen)
+    assert weight_fingerprint([x, y]) == fingerprint_from_tensor(
+        fingerprint_on_device([y, x], offsets=[7, 0])
+    )
+    assert weight_fingerprint([y]) != fingerprint_from_tensor(fingerprint_on_device([y], start=7))
+    assert fingerprint_from_tensor(fingerprint_on_device([x, y], start=40)) == reference(
+        [x, y], [40, 47]
+    )
+    with pytest.raises(FingerprintError, match="offsets"):
+        fingerprint_on_device([x], offsets=[0, 1])
+
+
+def test_the_chunked_path_beyond_the_table_equals_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lists past the multiplier table compute multipliers on the fly, chunk by chunk."""
+    fp.set_kernel(Kernel.EAGER)
+    monkeypatch.setattr(fp, "_TABLE_MAX", 16)
+    monkeypatch.setattr(fp, "_CHUNK", 64)
+    gen = torch.Generator().manual_seed(24)
+    tensors = [random_bits((200,), torch.float32, gen), random_bits((9,), torch.float16, gen)]
+    assert weight_fingerprint(tensors) == reference(tensors)
 
 
 def test_the_float64_blind_spot_is_the_documented_one() -> None:
-    """The module docstring's 64-bit bound is tight: two sign-bit flips of float64 values an
-    even distance apart cancel in both aggregates (2 * 2**63 ≡ 0), an odd distance apart not."""
+    """The module docstring's 64-bit case: two opposite sign-bit flips of float64 values
+    cancel in both aggregates (2**63 times an even difference of odd multipliers is 0 mod
+    2**64); lower bits and same-direction pairs are caught."""
     fp.set_kernel(Kernel.EAGER)
     t = torch.linspace(1.0, 2.0, 8, dtype=torch.float64)
     clean = weight_fingerprint([t])
     assert weight_fingerprint([flip(flip(t, 1, 63), 3, 63)]) == clean
-    assert weight_fingerprint([flip(flip(t, 1, 63), 4, 63)]) != clean
-    assert weight_fingerprint([flip(flip(t, 1, 62), 3, 62)]) != clean  # lower bits are caught
+    assert weight_fingerprint([flip(flip(t, 1, 63), 4, 63)]) == clean
+    assert weight_fingerprint([flip(flip(t, 1, 61), 3, 61)]) != clean  # lower bits are caught
 
 
 def test_the_same_flat_data_split_differently_gives_the_same_fingerprint() -> None:
@@ -262,3 +351,23 @@ def test_kernel_choice_is_validated() -> None:
     assert fp.get_kernel() is Kernel.EAGER
     with pytest.raises(ValueError, match="bogus"):
         fp.set_kernel("bogus")
+
+
+def test_a_plan_equals_the_one_shot_fingerprint_and_follows_the_live_tensors() -> None:
+    fp.set_kernel(Kernel.EAGER)
+    gen = torch.Generator().manual_seed(25)
+    layer = torch.nn.Linear(7, 5)
+    counter = torch.zeros((), dtype=torch.int64)
+    tensors = [layer.weight, layer.bias, counter, random_bits((4,), torch.bfloat16, gen)]
+    plan = fp.FingerprintPlan(tensors, start=3)
+    assert torch.equal(plan(), fingerprint_on_device(tensors, start=3))
+    assert fingerprint_from_tensor(plan()) == reference(tensors, [3, 38, 43, 44])
+    with torch.no_grad():
+        layer.weight.view(-1)[4] += 1.0  # in place: the same storage
+    counter += 1
+    assert torch.equal(plan(), fingerprint_on_device(tensors, start=3))
+    layer.bias.data = torch.randn(5, generator=gen)  # replaced storage: the plan rebuilds
+    assert torch.equal(plan(), fingerprint_on_device(tensors, start=3))
+    transposed = [random_bits((3, 4), torch.float32, gen).t()]  # not contiguous: no cached view
+    assert torch.equal(fp.FingerprintPlan(transposed)(), fingerprint_on_device(transposed))
+    assert torch.equal(fp.FingerprintPlan([])(), torch.zeros(2, dtype=torch.int64))

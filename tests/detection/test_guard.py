@@ -138,7 +138,12 @@ def _twins(rank: int, world: int) -> dict[str, Any]:
         microbatch=_batch,
         loss_fn=_loss,
         identity=identity,
-        config=GuardConfig(seed=SEED, vote_optimizer_state=True, inject=("optim-flip@3:2",)),
+        config=GuardConfig(
+            seed=SEED,
+            vote_optimizer_state=True,
+            inject=("optim-flip@3:2",),
+            halt_on_alarm=False,
+        ),
     )
     halted_at = None
     for step in range(STEPS):

@@ -45,9 +45,17 @@ def test_nan_in_a_local_gradient_names_its_rank_before_allreduce() -> None:
     assert detail["post_allreduce_ranks"] == [0, 1, 2, 3]  # the average carried it everywhere
 
 
-def test_flip_after_allreduce_is_named_by_the_weight_vote() -> None:
+def test_flip_after_allreduce_is_named_by_the_weight_vote_and_the_allreduce_check() -> None:
+    """The strict-majority vote leads; in the same alarm the per-step layer had seen rank 1's
+    reduced bucket differ before the update, and the huge element squared to inf in rank 1's
+    Adam state."""
     report = _job("reduced-flip@1:5")
     assert _alarms(report) == [(5, "fingerprint", "weights", [1], ["node-1"])]
+    also = report["alarms"][0]["detail"]["also"]
+    assert [(a["layer"], a["suspect_ranks"]) for a in also] == [
+        ("allreduce", [1]),
+        ("optstate", [1]),
+    ]
 
 
 def test_weight_flip_is_named_by_the_vote_and_quarantines_checkpoints(tmp_path: Path) -> None:
@@ -90,11 +98,19 @@ def test_gradient_flip_at_an_audited_step_fails_the_gradient_audit() -> None:
 
 def test_faults_the_design_cannot_see_raise_no_alarm(clean_reference: dict[str, Any]) -> None:
     """A finite corruption before all-reduce at a step without audit (and a gradient flip under
-    loss-only audits) is averaged into every replica: no layer can see it. The final weights
-    differ from the clean run's, so the faults did strike."""
+    loss-only audits), while the per-step statistics are still calibrating (their first
+    ``warmup`` steps), is averaged into every replica: no statistical or replica layer can see
+    it. The final weights differ from the clean run's, so the faults did strike. Only the
+    bit-30 flip of step 4 leaves a trace the per-step layer sees without calibration: its
+    element squares to inf in every replica's Adam state, named as the step that wrote it."""
     report = _job("grad-flip@1:5", "act-flip@3:6", "grad-flip@2:4", steps=10)
-    assert report["alarms"] == []
+    assert _alarms(report) == [
+        (4, "optstate", "optimizer-state", [0, 1, 2, 3], NODES4),
+    ]
     assert report["final_fingerprint"] != clean_reference["final_fingerprint"]
+    quiet = _job("grad-flip@1:5:26", "act-flip@3:6:26", steps=10)
+    assert quiet["alarms"] == []
+    assert quiet["final_fingerprint"] != clean_reference["final_fingerprint"]
 
 
 def test_persistent_fault_under_the_ring_names_its_node_and_halts(tmp_path: Path) -> None:

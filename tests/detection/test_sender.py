@@ -26,6 +26,8 @@ from detection.sender import (
     InvalidMessageError,
     SenderClosedError,
     SpoolBusyError,
+    SpoolError,
+    drain_spool,
 )
 from detection.signing import SignatureError, verify
 
@@ -312,17 +314,91 @@ def test_each_attempt_is_signed_afresh_and_verifies(webhook: Webhook, spool: Pat
     assert webhook.forged == []  # the server verified both with detection.signing.verify
 
 
-def test_a_wrong_secret_is_refused_by_the_webhook_and_kept_in_dead(
+def test_a_refused_signature_keeps_the_alarm_spooled_until_the_key_is_right(
     webhook: Webhook, spool: Path
 ) -> None:
+    """401 is what a key rotation in progress or clock skew look like: retried with backoff,
+    never dead-lettered, and delivered once a sender signs with the right key."""
     webhook.start()
-    sender = AlarmSender(webhook.url, "not-the-secret", JOB, spool, backoff_initial_s=0.01)
-    with sender:
-        sender.send_alarm(alarm(0))
+    sender = AlarmSender(
+        webhook.url, "not-the-secret", JOB, spool, backoff_initial_s=0.01, backoff_max_s=0.02
+    )
+    try:
+        alarm_id = sender.send_alarm(alarm(0))
+        with webhook.changed:
+            assert webhook.changed.wait_for(lambda: len(webhook.forged) >= 3, timeout=20)
+        assert not sender.flush(0.05)
+        assert sender.pending() == 1
+    finally:
+        sender.close(timeout_s=0.0)
+    assert not any((spool / "dead").iterdir())
+    assert set(webhook.forged) == {"signature does not match"}
+    result = drain_spool(spool, webhook.url, SECRET, timeout_s=20, backoff_initial_s=0.01)
+    assert (result.found, result.delivered, result.left, result.dead) == (1, 1, 0, 0)
+    assert [a["alarm_id"] for a in webhook.delivered()] == [alarm_id]
+
+
+def test_a_message_answered_5xx_is_dead_lettered_after_bounded_retries_and_the_queue_goes_on(
+    webhook: Webhook, spool: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken_on_step_1(
+        path: str, body: dict[str, Any]
+    ) -> tuple[int, dict[str, Any], dict[str, str]]:
+        if body["step"] == 1:
+            return 500, {"detail": "boom"}, {}
+        return accept(path, body)
+
+    webhook.responder = broken_on_step_1
+    webhook.start()
+    with (
+        caplog.at_level(logging.ERROR, logger="detection.sender"),
+        make_sender(webhook.url, spool, max_server_errors=3) as sender,
+    ):
+        ids = [sender.send_alarm(alarm(step)) for step in range(3)]
         assert sender.flush(20)
-    assert webhook.forged == ["signature does not match"]
+    assert [a["step"] for a in webhook.delivered()] == [0, 2]
+    assert [a.body["step"] for a in webhook.attempts].count(1) == 3
     (dead,) = (spool / "dead").iterdir()
-    assert json.loads(dead.read_text())["status"] == 401
+    record = json.loads(dead.read_text())
+    assert record["status"] == 500
+    assert "3 server errors" in record["reason"]
+    assert json.loads(record["message"]["body"])["alarm_id"] == ids[1]
+    assert [getattr(r, "http_status", None) for r in caplog.records] == [500]
+
+
+def test_a_leftover_spool_is_drained_once_and_a_rerun_records_no_event_twice(
+    webhook: Webhook, spool: Path
+) -> None:
+    """A job ends with alarms still spooled (the webhook was down); ``drain_spool`` sends them.
+    The job then runs again and re-detects the same events: the same alarm ids, so a ledger
+    that records by ``alarm_id`` (this stand-in does, like the real webhook) holds each once."""
+    recorded: dict[str, dict[str, Any]] = {}
+
+    def ledger(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, str]]:
+        duplicate = body["alarm_id"] in recorded
+        recorded.setdefault(body["alarm_id"], body)
+        return 202, {"incident_id": "inc-1", "duplicate": duplicate}, {}
+
+    webhook.responder = ledger
+    first = make_sender(webhook.url, spool)
+    ids = [first.send_alarm({**alarm(step), "job_id": JOB}) for step in range(3)]
+    first.close(timeout_s=0.0)  # the job ends: nothing listens
+    assert len(list(spool.glob("*.json"))) == 3
+    webhook.start()
+    result = drain_spool(spool, webhook.url, SECRET, timeout_s=20, backoff_initial_s=0.01)
+    assert (result.found, result.delivered, result.left, result.dead) == (3, 3, 0, 0)
+    assert drain_spool(spool, webhook.url, SECRET, timeout_s=1).found == 0  # drained once
+    with make_sender(webhook.url, spool) as rerun:  # the job's next start: same events again
+        again = [rerun.send_alarm({**alarm(step), "job_id": JOB, "rank": 1}) for step in range(3)]
+        assert rerun.flush(20)
+    assert again == ids
+    assert sorted(recorded) == sorted(ids)
+    assert [a["alarm_id"] for a in webhook.delivered()] == ids + ids  # sent twice, kept once
+
+
+def test_draining_a_missing_spool_is_a_typed_error(tmp_path: Path) -> None:
+    with pytest.raises(SpoolError, match="no spool"):
+        drain_spool(tmp_path / "nowhere", "http://127.0.0.1:9", SECRET)
 
 
 def test_ledger_records_go_to_the_job_paths(webhook: Webhook, spool: Path) -> None:

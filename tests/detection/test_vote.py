@@ -5,7 +5,7 @@ from __future__ import annotations
 from detection.alarm import Phase
 from detection.fingerprint import Fingerprint
 from detection.nonfinite import attribute_nonfinite
-from detection.vote import majority_vote, to_fingerprint
+from detection.vote import KnownDivergence, majority_vote, to_fingerprint
 
 A, B, C = Fingerprint(1, 2), Fingerprint(1, 3), Fingerprint(9, 9)
 
@@ -54,3 +54,20 @@ def test_nonfinite_reduction_from_finite_inputs_names_no_rank() -> None:
 
 def test_finite_gradients_raise_nothing() -> None:
     assert attribute_nonfinite([False] * 4, [False] * 4) is None
+
+
+def test_a_known_divergence_is_classes_of_equal_replicas_not_a_blanket() -> None:
+    known = KnownDivergence()
+    assert known.is_new(["a", "a", "b", "b"])  # nothing known yet
+    known.record(["a", "a", "b", "b"])  # a 2-2 tie: no culprit, two classes
+    assert known.minority() == frozenset()
+    assert not known.is_new(["a", "a", "b", "b"])  # the same divergence again
+    assert not known.is_new(["c", "c", "d", "d"])  # both classes drift on, still apart
+    assert known.is_new(["a", "x", "b", "b"])  # a split inside a class is a new event
+    assert known.apart(0, 2)
+    assert not known.apart(0, 1)
+    known.record(["a", "a", "a", "b"])
+    assert known.minority() == frozenset({3})
+    assert not known.is_new(["a", "a", "a", "a"])  # equal again is not a new event
+    known.clear()
+    assert not known.apart(0, 3)

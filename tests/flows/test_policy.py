@@ -211,6 +211,47 @@ def test_auto_approval_refuses_weaker_evidence(verdict: str, alarms: list[AlarmE
     assert "refused" in result.reason
 
 
+@pytest.mark.parametrize(
+    ("layer", "phase"),
+    [
+        ("gradstats", "pre-allreduce"),
+        ("gradstats", "loss"),
+        ("allreduce", "post-allreduce"),
+        ("optstate", "optimizer-state"),
+        ("abft", "forward"),
+        ("abft", "backward"),
+    ],
+)
+def test_a_per_step_finding_alone_is_never_auto_approved(layer: str, phase: str) -> None:
+    """Statistical and algebraic findings of the per-step layer name exactly one node, yet are
+    weaker evidence than a vote or an audit: a human decides."""
+    result = auto_approval(
+        policy=IncidentPolicy(auto_approve=True),
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[_alarm(layer, ("node-2",), phase=phase, statistic=12.5, threshold=2.08)],
+        storm=_storm(["node-2"]),
+    )
+    assert not result.approved
+    assert "per-step layer" in result.reason
+    assert layer in result.reason
+
+
+def test_a_per_step_finding_with_a_ring_audit_is_approved_by_the_audit() -> None:
+    result = auto_approval(
+        policy=IncidentPolicy(auto_approve=True),
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[
+            _alarm("gradstats", ("node-2",), phase="pre-allreduce"),
+            _alarm("audit", ("node-2",)),
+        ],
+        storm=_storm(["node-2"]),
+    )
+    assert result.approved
+    assert result.reason.endswith("ring audit")
+
+
 def test_auto_approval_never_during_a_storm() -> None:
     storm = _storm(["node-1", "node-2", "node-3"])
     result = auto_approval(

@@ -59,6 +59,31 @@ def test_alarm_is_recorded_and_opens_one_incident(webhook: Webhook) -> None:
     assert webhook.trigger.calls == [(incident_id, "job-1")]
 
 
+@pytest.mark.parametrize(
+    ("layer", "phase"),
+    [
+        ("gradstats", "pre-allreduce"),
+        ("gradstats", "loss"),
+        ("allreduce", "post-allreduce"),
+        ("optstate", "optimizer-state"),
+        ("abft", "forward"),
+        ("abft", "backward"),
+    ],
+)
+def test_per_step_layer_alarms_are_recorded_with_their_statistic(
+    webhook: Webhook, layer: str, phase: str
+) -> None:
+    detail = {"test": "temporal", "statistic": "log l2", "deviation": 80.9, "threshold": 2.08}
+    response = webhook.post(
+        "/v1/alarms", alarm_payload(step=41, layer=layer, phase=phase, detail=detail)
+    )
+    assert response.status_code == 202, response.text
+    incident = webhook.get(f"/v1/incidents/{response.json()['incident_id']}").json()
+    [alarm] = incident["alarms"]
+    assert (alarm["layer"], alarm["phase"], alarm["step"]) == (layer, phase, 41)
+    assert alarm["detail"]["threshold"] == 2.08
+
+
 def test_resent_alarm_is_recorded_once(webhook: Webhook) -> None:
     payload = alarm_payload()
     first = webhook.post("/v1/alarms", payload)

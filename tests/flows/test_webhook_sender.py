@@ -1,7 +1,8 @@
 """End to end with the training side's real client: ``detection.sender.AlarmSender``.
 
 What a rank spools is what the webhook records — ranks, checkpoints, audits, alarms — and what
-the webhook refuses lands in the sender's ``dead/`` with the webhook's reason, not in the ledger.
+the webhook refuses for good lands in the sender's ``dead/`` with the webhook's reason, not in the
+ledger; what it refuses for now (a signature during a key rotation) stays spooled.
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ import json
 import socket
 from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
 from db import Ledger
 from detection.alarm import Alarm, Layer, Phase
 from detection.identity import RankIdentity
-from detection.sender import AlarmSender
+from detection.sender import AlarmSender, drain_spool
+from flows.cli import app
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app, dispatcher_of
@@ -75,19 +80,35 @@ def test_a_job_reported_through_the_sender_is_in_the_ledger(
     assert webhook.trigger.calls == [(incident.id, JOB)]
 
 
-def test_a_sender_with_the_wrong_secret_writes_nothing(webhook: Webhook, tmp_path: Path) -> None:
+def test_a_sender_with_the_wrong_secret_writes_nothing_and_loses_nothing(
+    webhook: Webhook, tmp_path: Path
+) -> None:
+    """A refused signature (a key rotation in progress, clock skew) keeps the alarm spooled;
+    draining the leftover spool with the right key records it once, and the job's re-run,
+    which detects the same event again, adds no second alarm."""
     spool = tmp_path / "spool"
     alarm = Alarm.for_ranks(5, Layer.NONFINITE, Phase.PRE_ALLREDUCE, [1], NODES, {})
     before = row_counts(webhook.ledger)
 
-    with AlarmSender(webhook.url, "a-different-secret-0123456789", JOB, spool) as sender:
-        sender.send_alarm(alarm.to_webhook(JOB, 0, "node-0"))
-        assert sender.flush(30)
+    sender = AlarmSender(
+        webhook.url, "a-different-secret-0123456789", JOB, spool, backoff_initial_s=0.01
+    )
+    try:
+        alarm_id = sender.send_alarm(alarm.to_webhook(JOB, 0, "node-0"))
+        assert not sender.flush(0.5)
+    finally:
+        sender.close(timeout_s=0.0)  # the job ends with the alarm still spooled
 
-    (dead,) = _dead_letters(spool)
-    assert dead["status"] == 401
-    assert "signature does not match" in str(dead["reason"])
+    assert _dead_letters(spool) == []
     assert row_counts(webhook.ledger) == before
+    result = drain_spool(spool, webhook.url, webhook.secret, timeout_s=30)
+    assert (result.found, result.delivered, result.left, result.dead) == (1, 1, 0, 0)
+    with AlarmSender(webhook.url, webhook.secret, JOB, spool) as rerun:
+        assert rerun.send_alarm(alarm.to_webhook(JOB, 2, "node-2")) == alarm_id
+        assert rerun.flush(30)
+    (incident,) = webhook.ledger.list_incidents(JOB)
+    assert [a.alarm_id for a in incident.alarms] == [alarm_id]
+    assert _dead_letters(spool) == []
 
 
 def test_alarms_spooled_while_the_webhook_is_down_arrive_once_it_is_up(
@@ -117,3 +138,34 @@ def test_alarms_spooled_while_the_webhook_is_down_arrive_once_it_is_up(
     assert [a.alarm_id for a in incident.alarms] == [alarm_id]
     assert incident.ranks_missing is True
     assert trigger.calls == [(incident.id, JOB)]
+
+
+def test_sdcguard_spool_drain_sends_what_a_finished_job_left(
+    webhook: Webhook, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks' spools under one job root, left while nothing listened; the command drains
+    both into the ledger, and a second drain finds nothing."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    root = tmp_path / "job-spool"
+    alarm = Alarm.for_ranks(7, Layer.FINGERPRINT, Phase.WEIGHTS, [3], NODES, {})
+    ids = []
+    for rank in (0, 1):
+        sender = AlarmSender(down, webhook.secret, JOB, root / f"rank-{rank}", timeout_s=1)
+        if rank == 0:
+            ids.append(sender.send_alarm(alarm.to_webhook(JOB, 0, "node-0")))
+        else:
+            sender.register_ranks(_identities())
+        sender.close(timeout_s=0.0)
+    monkeypatch.setenv("SDCGUARD_WEBHOOK_SECRET", webhook.secret)
+    runner = CliRunner()
+    first = runner.invoke(app, ["spool", "drain", str(root), "--webhook", webhook.url])
+    assert first.exit_code == 0, first.output
+    assert "1 found, 1 delivered, 0 dead-lettered, 0 left" in first.output
+    again = runner.invoke(app, ["spool", "drain", str(root), "--webhook", webhook.url])
+    assert again.exit_code == 0, again.output
+    assert again.output.count("0 found") == 2
+    (incident,) = webhook.ledger.list_incidents(JOB)
+    assert [a.alarm_id for a in incident.alarms] == ids
+    assert sorted(webhook.ledger.rank_map(JOB)) == [0, 1, 2, 3]

@@ -55,7 +55,12 @@ def _guard(rank: int, mode: str, inject: tuple[str, ...] = ()) -> tuple[Any, Any
         loss_fn=_loss,
         identity=NodeIdentity(rank),
         config=GuardConfig(
-            audit_every=1, audit_mode=mode, seed=SEED, inject=inject, micro_batches=ACCUM
+            audit_every=1,
+            audit_mode=mode,
+            seed=SEED,
+            inject=inject,
+            micro_batches=ACCUM,
+            halt_on_alarm=False,
         ),
     )
     return model, optimizer, guard

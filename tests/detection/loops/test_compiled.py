@@ -53,7 +53,9 @@ def _train(
         microbatch=features,
         loss_fn=_loss,
         identity=NodeIdentity(rank),
-        config=GuardConfig(audit_every=1, audit_mode=mode, seed=SEED, inject=inject),
+        config=GuardConfig(
+            audit_every=1, audit_mode=mode, seed=SEED, inject=inject, halt_on_alarm=False
+        ),
     )
     for step in range(steps):
         with guard.step(step):

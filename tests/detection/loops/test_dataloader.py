@@ -58,7 +58,9 @@ def _train(
         optimizer,
         loss_fn=_loss,
         identity=NodeIdentity(rank),
-        config=GuardConfig(audit_every=1, audit_mode=mode, seed=SEED, inject=inject),
+        config=GuardConfig(
+            audit_every=1, audit_mode=mode, seed=SEED, inject=inject, halt_on_alarm=False
+        ),
     )
     step = 0
     epoch = 0

@@ -60,7 +60,9 @@ def _train(
         microbatch=_data,
         loss_fn=_loss,
         identity=NodeIdentity(rank),
-        config=GuardConfig(audit_every=1, audit_mode=mode, seed=SEED, inject=inject),
+        config=GuardConfig(
+            audit_every=1, audit_mode=mode, seed=SEED, inject=inject, halt_on_alarm=False
+        ),
     )
     skipped = 0
     for step in range(steps):

@@ -1,0 +1,144 @@
+"""Persistent buffers (BatchNorm running statistics, counters) under the fingerprint.
+
+Buffers are part of what a checkpoint holds, yet replicas' buffers are *not* equal at the end of
+a step the way weights are: each rank's forward pass updates BatchNorm running statistics from
+its own micro-batch, and DDP (``broadcast_buffers=True``, the default) overwrites every replica's
+buffers with the authoritative rank's (rank 0) at the start of the next forward. A vote on
+end-of-step buffers would alarm on every step; no vote at all let a flipped running statistic on
+rank 0 spread to every replica and into a ``verified`` checkpoint. So the buffers are checked
+where an invariant holds, each with a device fingerprint and no host synchronisation:
+
+* **after the last forward → end of the step** (every rank): nothing but a forward pass may
+  change a persistent buffer, so the fingerprint taken after the step's last forward must equal
+  the one at the end of the step; a difference names that rank, at that step.
+* **end of the previous step → this step's first forward**: the buffers the forward starts
+  from are what the source left — rank 0's, broadcast by DDP, or (``broadcast_buffers=False``)
+  the rank's own. The source rank checks that its buffers did not change in between.
+* **right after DDP's broadcast** every replica holds the same buffers: a vote among them.
+
+The end-of-step buffer fingerprint of rank 0 (the rank DDP broadcasts from and whose buffers a
+checkpoint written by rank 0 holds) is added to the weight fingerprint for the checkpoint
+record: buffers sit after the parameters in one global numbering, so the sum of the two is the
+fingerprint of ``parameters + persistent buffers`` that :func:`detection.vote.verify_after_load`
+checks after a load. A forward pass outside a guarded step (an evaluation pass, a BatchNorm
+recalibration) or a checkpoint load legitimately changes buffers between steps: it clears the
+previous-step reference, so the next step checks nothing across that gap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from detection.fingerprint import FingerprintPlan
+from detection.vote import majority_vote, persistent_buffers, to_fingerprint
+
+__all__ = ["BUFFER_ROW", "BufferWatch", "buffer_finding"]
+
+# Row layout of a rank's buffer evidence, int64 pairs (a, b): the fingerprint right after DDP's
+# broadcast, the rank's own end-of-step fingerprint, (after the last forward) - (end of step),
+# and (end of the previous step) - (after the broadcast). A difference is non-zero exactly when
+# the buffers changed: plain subtractions, the cheapest device ops there are.
+BUFFER_ROW = 8
+
+
+class BufferWatch:
+    """The three buffer fingerprints of one rank's step (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        start: int,
+        broadcast: bool,
+        rank: int,
+        device: torch.device,
+    ) -> None:
+        self.buffers = persistent_buffers(module)
+        # buffers are numbered after the parameters (``start``): one global numbering
+        self._plan = FingerprintPlan(self.buffers, start=start)
+        self._broadcast = broadcast
+        self._source = not broadcast or rank == 0
+        self._device = device
+        self._at_broadcast: torch.Tensor | None = None
+        self._after_forward: torch.Tensor | None = None
+        self._previous_end: torch.Tensor | None = None
+        self._zeros = torch.zeros(2, dtype=torch.int64, device=device)
+
+    @property
+    def broadcast(self) -> bool:
+        """Whether DDP overwrites the replicas' buffers with rank 0's at every forward."""
+        return self._broadcast
+
+    def _fingerprint(self) -> torch.Tensor:
+        return self._plan().to(self._device)
+
+    def begin_step(self) -> None:
+        self._at_broadcast = None
+        self._after_forward = None
+
+    def forward_started(self, in_step: bool) -> None:
+        """The module's forward pre-hook: DDP's broadcast has just run."""
+        if not self.buffers:
+            return
+        if not in_step:
+            self._previous_end = None  # buffers may change legitimately outside steps
+        elif self._at_broadcast is None:
+            self._at_broadcast = self._fingerprint()
+
+    def forward_finished(self, in_step: bool) -> None:
+        if not self.buffers:
+            return
+        if not in_step:
+            self._previous_end = None
+        else:
+            self._after_forward = self._fingerprint()
+
+    def forget_previous(self) -> None:
+        """After a checkpoint load: the buffers changed on purpose since the last step."""
+        self._previous_end = None
+
+    def row(self) -> torch.Tensor:
+        """This rank's ``BUFFER_ROW`` int64 values for the step's all-gather (on the device)."""
+        if not self.buffers:
+            return torch.zeros(BUFFER_ROW, dtype=torch.int64, device=self._device)
+        end = self._fingerprint()
+        zero2 = self._zeros
+        after = self._after_forward - end if self._after_forward is not None else zero2
+        between = zero2
+        if self._source and self._previous_end is not None and self._at_broadcast is not None:
+            between = self._previous_end - self._at_broadcast
+        self._previous_end = end
+        received = self._at_broadcast if self._broadcast else None
+        return torch.cat([received if received is not None else zero2, end, after, between])
+
+
+def buffer_finding(
+    rows: Sequence[Sequence[int]], broadcast: bool
+) -> tuple[tuple[int, ...], dict[str, Any]] | None:
+    """``(suspect ranks, alarm detail)`` from every rank's buffer row, or ``None`` when all
+    three invariants hold."""
+    after_forward = tuple(r for r, row in enumerate(rows) if row[4] or row[5])
+    between = tuple(r for r, row in enumerate(rows) if row[6] or row[7])
+    received = [tuple(row[0:2]) for row in rows]
+    verdict = majority_vote(received) if broadcast else None
+    split = verdict is not None and not verdict.unanimous
+    if not (after_forward or between or split):
+        return None
+    suspects = set(after_forward) | set(between)
+    detail: dict[str, Any] = {
+        "diverged": "buffers",
+        "buffers_changed_after_forward": list(after_forward),
+        "buffers_changed_between_steps": list(between),
+    }
+    if verdict is not None and split:
+        suspects |= set(verdict.divergent)
+        detail["buffers_after_broadcast"] = {
+            str(r): to_fingerprint(*v).hex() for r, v in enumerate(received)
+        }
+        if not verdict.culprit_known:
+            detail["culprit"] = "unknown"
+    return tuple(sorted(suspects)), detail

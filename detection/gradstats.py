@@ -1,0 +1,289 @@
+"""Cross-rank and temporal statistics of each rank's local gradient: a finite corruption, named
+on the step it happens.
+
+A finite bit flip in one rank's local gradient is averaged into every replica, so the weights
+stay equal and no fingerprint sees it. What it does change is that rank's own bucket: one element
+grows by a power of two. Per DDP bucket and rank, before all-reduce, the comm hook takes (on the
+device, no host copy) the L2 norm and the largest magnitude (L∞) of the local bucket; with the
+rank's loss they are all-gathered once per step and every rank runs the same two tests on the
+same table, so every rank reaches the same verdict:
+
+* **cross-rank** (3+ ranks): for each statistic ``x = log(value)``, the deviation of rank ``r``
+  from the ranks' median, ``x_r - median``, against ``max(k · s, log F)`` where ``s`` is the
+  robust cross-rank spread (1.4826 · MAD, an estimate of sigma) *averaged over clean steps* — the
+  MAD of four values on a single step is too noisy to scale a test by;
+* **temporal** (every world size, and the only one with 2 ranks, where a median of two is their
+  mean and names nobody): ``x_r - μ_r`` against ``max(k · s_r, log F)``, where ``μ_r`` and ``s_r``
+  are the rank's running mean and mean absolute deviation of that statistic over clean steps. A
+  temporal excess on every rank at once is the job's own dynamics (a loss spike, a learning-rate
+  change), not one rank's fault, and is not raised; with 3+ ranks at most half may be named.
+
+Both tests are one-sided: a flip that raises a value raises a norm, one that lowers a value
+(an exponent bit going 1 → 0) shrinks an element towards zero and moves the bucket by less than
+that element — below any statistical threshold, and harmless in the same proportion.
+
+Calibration: the first ``warmup`` guarded steps only learn (running averages with weight
+``1/n``, then an exponential average with weight ``alpha``). A statistic's history is updated
+only on steps with no finding of this layer, so a flip never inflates its own reference.
+``k`` multiplies a *measured* spread: data differ per rank and per model, a fixed constant on
+raw norms would be wrong for both. The cost in sensitivity: a flip is caught when it raises
+a bucket's norm by more than ``exp(max(k·s, log F))``; with the defaults (``k = 16``,
+``F = 8``) and a clean spread ``s`` of 0.05-0.15 that is a factor of 8-11.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from detection.allreduce_check import bucket_norm, chunked_sum
+
+__all__ = [
+    "GradStatsDetector",
+    "LocalGradStats",
+    "StatFinding",
+    "StatsConfig",
+    "StatsConfigError",
+]
+
+_TINY = 1e-30
+_MAD_TO_SIGMA = 1.4826
+# Per bucket, per rank: local sum, local L2 norm, local L∞, reduced sum (all float64).
+BUCKET_FIELDS = 4
+
+
+@dataclass(frozen=True)
+class StatsConfig:
+    """Tuning of the statistical tests (identical on every rank: part of ``GuardConfig``).
+
+    ``k``: threshold in units of the calibrated spread. ``floor_factor``: a statistic must at
+    least be multiplied by this factor to be named, whatever its spread (a statistic that never
+    moves would otherwise fire on rounding noise). ``warmup``: clean steps learnt before the
+    tests speak. ``alpha``: weight of a new clean step in the running averages after warm-up.
+    ``abft_margin``, ``abft_floor``: the ABFT tolerance ``τ`` of a layer is
+    ``max(abft_margin · largest clean ratio seen in warm-up, abft_floor)``.
+    """
+
+    k: float = 16.0
+    floor_factor: float = 8.0
+    warmup: int = 25
+    alpha: float = 0.05
+    abft_margin: float = 8.0
+    abft_floor: float = 1.0
+
+    def __post_init__(self) -> None:
+        problems = [
+            (self.k > 0, f"k must be > 0, got {self.k}"),
+            (self.floor_factor > 1, f"floor_factor must be > 1, got {self.floor_factor}"),
+            (self.warmup >= 1, f"warmup must be ≥ 1, got {self.warmup}"),
+            (0 < self.alpha <= 1, f"alpha must lie in (0, 1], got {self.alpha}"),
+            (self.abft_margin >= 1, f"abft_margin must be ≥ 1, got {self.abft_margin}"),
+            (self.abft_floor > 0, f"abft_floor must be > 0, got {self.abft_floor}"),
+        ]
+        for ok, message in problems:
+            if not ok:
+                raise StatsConfigError(message)
+
+
+class StatsConfigError(ValueError):
+    """A :class:`StatsConfig` value that would disarm or break the tests."""
+
+
+@dataclass(frozen=True)
+class StatFinding:
+    """One rank's worst excess on one step: which statistic, which test, by how much."""
+
+    rank: int
+    statistic: str
+    test: str
+    bucket: int | None
+    value: float
+    reference: float
+    deviation: float
+    threshold: float
+    scale: float
+
+    def to_detail(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "statistic": self.statistic,
+            "test": self.test,
+            "bucket": self.bucket,
+            "log_value": round(self.value, 6),
+            "log_reference": round(self.reference, 6),
+            "deviation": round(self.deviation, 6),
+            "threshold": round(self.threshold, 6),
+            "scale": round(self.scale, 6),
+        }
+
+
+class LocalGradStats:
+    """Per-bucket statistics of one rank's step, kept on the device until the all-gather.
+
+    Called by the comm hook: :meth:`on_local` before all-reduce (after any injected fault, as
+    faulty hardware would have produced it), :meth:`on_reduced` on the reduced bucket. Buckets
+    may be reported in any order and from the future's callback thread; each writes its slot.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._local: dict[int, torch.Tensor] = {}
+        self._reduced: dict[int, torch.Tensor] = {}
+        self.numel: dict[int, int] = {}
+
+    def clear(self) -> None:
+        self._local.clear()
+        self._reduced.clear()
+        self.numel.clear()
+
+    def on_local(self, key: int, buffer: torch.Tensor) -> None:
+        flat = buffer.detach().reshape(-1)
+        self.numel[key] = flat.numel()
+        low, high = torch.aminmax(flat)
+        peak = torch.maximum(-low, high).to(torch.float64)
+        self._local[key] = torch.stack([chunked_sum(flat), bucket_norm(flat), peak])
+
+    def on_reduced(self, key: int, reduced: torch.Tensor) -> None:
+        self._reduced[key] = chunked_sum(reduced.detach().reshape(-1)).reshape(1)
+
+    def row(self) -> torch.Tensor:
+        """``[n_buckets, (sum, l2, amax, reduced sum) per bucket in index order]`` (float64)."""
+        keys = sorted(self._local)
+        parts = [torch.tensor([float(len(keys))], dtype=torch.float64, device=self.device)]
+        for key in keys:
+            parts.append(self._local[key].to(self.device))
+            reduced = self._reduced.get(key)
+            if reduced is None:
+                reduced = torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
+            parts.append(reduced.to(self.device))
+        return torch.cat(parts)
+
+
+def _log(value: float) -> float:
+    return math.log(max(abs(value), _TINY))
+
+
+@dataclass
+class _History:
+    """Running mean and mean absolute deviation of one statistic of one rank."""
+
+    mean: float = 0.0
+    dev: float = 0.0
+    n: int = 0
+
+    def update(self, x: float, alpha: float, warmup: int) -> None:
+        weight = 1.0 / (self.n + 1) if self.n < warmup else alpha
+        if self.n:
+            self.dev += weight * (abs(x - self.mean) - self.dev)
+        self.mean += weight * (x - self.mean)
+        self.n += 1
+
+
+@dataclass
+class GradStatsDetector:
+    """The host-side tests over the all-gathered statistics; one per guard, same on every rank.
+
+    ``statistics[r]`` per step: name → value for rank ``r`` (``loss``, ``l2[b]``, ``amax[b]``).
+    """
+
+    world_size: int
+    config: StatsConfig = field(default_factory=StatsConfig)
+    steps_learnt: int = 0
+    _temporal: dict[tuple[int, str], _History] = field(default_factory=dict)
+    _spread: dict[str, _History] = field(default_factory=dict)
+    _layout: int = -1
+
+    @property
+    def calibrated(self) -> bool:
+        return self.steps_learnt >= self.config.warmup
+
+    def reset_if_layout_changed(self, n_buckets: int) -> None:
+        """DDP may rebuild its buckets after the first step: a new layout is a new history."""
+        if n_buckets != self._layout:
+            self._layout = n_buckets
+            self._temporal.clear()
+            self._spread.clear()
+            self.steps_learnt = 0
+
+    def test(self, values: Sequence[dict[str, float]]) -> list[StatFinding]:
+        """The findings of this step (empty while calibrating), at most one per rank."""
+        if not self.calibrated:
+            return []
+        logs = [{name: _log(v) for name, v in per.items() if math.isfinite(v)} for per in values]
+        worst: dict[int, tuple[float, StatFinding]] = {}
+
+        def note(finding: StatFinding) -> None:
+            score = finding.deviation / finding.threshold
+            if finding.rank not in worst or score > worst[finding.rank][0]:
+                worst[finding.rank] = (score, finding)
+
+        floor = math.log(self.config.floor_factor)
+        names = sorted(set().union(*(set(x) for x in logs))) if logs else []
+        if self.world_size >= 3:
+            for name in names:
+                xs = [(r, x[name]) for r, x in enumerate(logs) if name in x]
+                if len(xs) < 3:
+                    continue
+                median = statistics.median(v for _, v in xs)
+                spread = self._spread.get(name)
+                scale = spread.mean if spread is not None else 0.0
+                threshold = max(self.config.k * scale, floor)
+                for r, v in xs:
+                    if v - median > threshold:
+                        note(_finding(r, name, "cross-rank", v, median, threshold, scale))
+        temporal: list[StatFinding] = []
+        for r, x in enumerate(logs):
+            for name, v in x.items():
+                history = self._temporal.get((r, name))
+                if history is None or history.n < self.config.warmup:
+                    continue
+                threshold = max(self.config.k * history.dev, floor)
+                if v - history.mean > threshold:
+                    temporal.append(
+                        _finding(r, name, "temporal", v, history.mean, threshold, history.dev)
+                    )
+        temporal_ranks = {f.rank for f in temporal}
+        most = max(1, self.world_size // 2)
+        if len(temporal_ranks) < self.world_size and len(temporal_ranks) <= most:
+            for finding in temporal:
+                note(finding)
+        return [worst[r][1] for r in sorted(worst)]
+
+    def learn(self, values: Sequence[dict[str, float]]) -> None:
+        """Fold a clean step into the histories."""
+        cfg = self.config
+        logs = [{name: _log(v) for name, v in per.items() if math.isfinite(v)} for per in values]
+        for r, x in enumerate(logs):
+            for name, v in x.items():
+                self._temporal.setdefault((r, name), _History()).update(v, cfg.alpha, cfg.warmup)
+        if self.world_size >= 3:
+            for name in set().union(*(set(x) for x in logs)):
+                xs = [x[name] for x in logs if name in x]
+                if len(xs) < 3:
+                    continue
+                median = statistics.median(xs)
+                mad = _MAD_TO_SIGMA * statistics.median(abs(v - median) for v in xs)
+                self._spread.setdefault(name, _History()).update(mad, cfg.alpha, cfg.warmup)
+        self.steps_learnt += 1
+
+
+def _finding(
+    rank: int, name: str, test: str, value: float, ref: float, threshold: float, scale: float
+) -> StatFinding:
+    statistic, _, bucket = name.partition("[")
+    return StatFinding(
+        rank=rank,
+        statistic=statistic,
+        test=test,
+        bucket=int(bucket.rstrip("]")) if bucket else None,
+        value=value,
+        reference=ref,
+        deviation=value - ref,
+        threshold=threshold,
+        scale=scale,
+    )

@@ -1,0 +1,378 @@
+"""The per-step layer: statistical and algebraic checks on every step, decided before the update.
+
+The other layers see a finite corruption of a local gradient or an activation only on audited
+steps. This layer looks at every step, cheaply, and reaches its verdict in the optimizer's step
+pre-hook — before the weights change:
+
+* :mod:`detection.gradstats` — cross-rank and temporal tests of each rank's local bucket norms
+  and loss (``layer`` ``gradstats``): statistical evidence;
+* :mod:`detection.allreduce_check` — Σ of the local bucket sums against the reduced bucket's sum
+  within a derived rounding bound (``allreduce``): algebraic evidence;
+* :mod:`detection.abft` — opt-in Linear checksums (``abft``);
+* :mod:`detection.optstate` — a non-finite optimizer state after the update (``optstate``),
+  carried in the guard's own per-step row.
+
+Everything before the all-gather stays on the device; the layer adds one small all-gather
+(float64, a few numbers per bucket and rank) and one host synchronisation, at the end of the
+step's last (synchronised) backward — before any optimizer, handed to the guard or not, can
+update a weight. The comm hook runs only on that backward, on the buckets DDP reduces: with
+gradient accumulation the statistics are those of the accumulated gradient, never of a
+``no_sync`` micro-batch alone. Every rank decides from the same gathered table, so with
+``skip_update_on_alarm`` every rank skips the same step: the gradients are dropped
+(``p.grad = None``) before ``optimizer.step``, which then leaves weights and optimizer state
+exactly as they were; under a GradScaler they are set to NaN instead, so the scaler skips the
+step as it skips an overflow (``GradScaler.step`` refuses an optimizer without gradients).
+
+Under a GradScaler the buckets hold *scaled* gradients: the statistics are divided by the
+scale the step's backward used (a power of two: exact), so a scale change is no change of the
+gradient. A step whose gathered statistics are non-finite anywhere (a scaler overflow, or a NaN
+the non-finite check names) is not tested and not learnt from: the history holds clean, finite
+steps only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from detection.abft import LinearChecksums
+from detection.alarm import Layer, Phase
+from detection.allreduce_check import check_reduction, unit_roundoff
+from detection.gradstats import BUCKET_FIELDS, GradStatsDetector, LocalGradStats, StatsConfig
+from detection.optstate import OptimizerStateCheck, state_nonfinite_flag
+from detection.vote import all_gather_rows
+
+__all__ = ["StepCheckFinding", "StepChecks"]
+
+_log = logging.getLogger(__name__)
+F = TypeVar("F", bound=tuple[Any, ...])
+# Findings that lead before this layer's: a rank's own NaN, a strict-majority vote (the
+# strongest attribution there is, and what automatic approval rests on).
+_AHEAD = (Layer.NONFINITE, Layer.FINGERPRINT)
+
+WEAKER = "statistical evidence: weaker than a vote or an audit, never approved automatically alone"
+
+
+@dataclass(frozen=True)
+class StepCheckFinding:
+    """One finding of this layer, in the guard's finding shape (layer, phase, suspects, detail)."""
+
+    layer: Layer
+    phase: Phase
+    suspects: tuple[int, ...]
+    detail: dict[str, Any]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.layer, self.phase, self.suspects, self.detail))
+
+
+def _finite_values(losses: Sequence[float], buckets: Sequence[Sequence[Sequence[float]]]) -> bool:
+    """Every loss, bucket sum and bucket L∞ is finite: no element was NaN/Inf on any rank. A
+    float32 L2 norm may overflow from finite elements (one of 3e35 after a bit-30 flip): that
+    is evidence for the tests, not a non-finite step, so it is not looked at here."""
+    return all(math.isfinite(v) for v in losses) and all(
+        math.isfinite(b[i]) for per in buckets for b in per for i in (0, 2, 3)
+    )
+
+
+class StepChecks:
+    """The layer for one guard. Protocol per step: :meth:`begin_step`, the comm hook's
+    :meth:`on_local`/:meth:`on_reduced`, :meth:`before_update` (collective), then the guard's
+    row carries :meth:`state_flag` and its decision calls :meth:`findings`."""
+
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        params: Sequence[torch.Tensor],
+        group: dist.ProcessGroup | None,
+        world_size: int,
+        config: StatsConfig,
+        enabled: bool,
+        abft: bool,
+        skip_update: bool,
+        check_reduction: bool,
+        extra: dict[str, Any],
+    ) -> None:
+        self.optimizers = list(optimizers)
+        self.params = list(params)
+        self.group = group
+        self.world_size = world_size
+        self.config = config
+        self.skip_update = skip_update
+        self.device = self.params[0].device
+        self.stats = LocalGradStats(self.device)
+        self.detector = GradStatsDetector(world_size, config)
+        self.enabled = enabled
+        self.abft = LinearChecksums(module, self.params) if abft and enabled else None
+        self._abft_clean: list[float] = []
+        self._abft_tau: list[float] | None = None
+        self._check_reduction = check_reduction
+        self._state = OptimizerStateCheck()
+        self._extra = extra
+        self._decided = True
+        self._pending: list[StepCheckFinding] = []
+        self.skipped_steps: list[int] = []
+        self.tested_steps = 0  # steps whose statistics were finite and tested
+        self.nonfinite_steps = 0  # steps left to the non-finite check (overflow or NaN)
+        self._u = unit_roundoff(self.params[0].dtype)
+
+    def close(self) -> None:
+        if self.abft is not None:
+            self.abft.close_hooks()
+
+    # -- the comm hook's calls ------------------------------------------------------------------
+    def on_local(self, key: int, bucket: dist.GradBucket) -> None:
+        if self._decided:
+            return
+        buffer = bucket.buffer()
+        self._u = unit_roundoff(buffer.dtype)
+        self.stats.on_local(key, buffer)
+        if self.abft is not None:
+            self.abft.on_local_gradient(
+                list(zip(bucket.parameters(), bucket.gradients(), strict=True))
+            )
+
+    def on_reduced(self, key: int, reduced: torch.Tensor) -> None:
+        if not self._decided:
+            self.stats.on_reduced(key, reduced)
+
+    # -- the step -------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.stats.clear()
+        self._pending = []
+        self._decided = not self.enabled
+        if self.abft is not None:
+            self.abft.open()
+
+    def end_step(self) -> None:
+        self._decided = True
+        if self.abft is not None:
+            self.abft.close()
+
+    def before_update(
+        self, step: int, loss: torch.Tensor | None, scale: torch.Tensor | None = None
+    ) -> None:
+        """Collective, once per step (the end of the step's last backward; the optimizer
+        pre-hook and the end of the step only if that was skipped): gather, decide, and drop
+        the gradients of a corrupted step when ``skip_update_on_alarm`` is set. ``scale``: the
+        GradScaler scale of the step's backward (the buckets' gradients are multiplied by it).
+        """
+        if self._decided:
+            return
+        self._decided = True
+        if self.abft is not None:
+            self.abft.close()
+        loss_value = (
+            loss.detach().reshape(-1)[:1].to(torch.float64).to(self.device)
+            if loss is not None
+            else torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
+        )
+        ratios = (
+            self.abft.ratios()
+            if self.abft is not None
+            else torch.zeros(0, dtype=torch.float64, device=self.device)
+        )
+        head = torch.tensor([float(step)], dtype=torch.float64, device=self.device)
+        stats = self.stats.row()
+        if scale is not None:  # per bucket (sum, l2, amax, reduced sum) / scale; count kept
+            divisor = scale.detach().reshape(1).to(self.device, torch.float64)
+            stats = torch.cat([stats[:1], stats[1:] / divisor])
+        row = torch.cat([head, loss_value, ratios, stats])
+        rows = all_gather_rows(row, self.group)
+        self._pending = self._decide(rows, ratios.numel())
+        if self._pending and self.skip_update:
+            self._drop_update(scaled=scale is not None)
+            self.skipped_steps.append(step)
+            _log.warning(
+                "update of step %d skipped on every rank: %s",
+                step,
+                ", ".join(str(f.layer) for f in self._pending),
+                extra={**self._extra, "step": step},
+            )
+
+    def _drop_update(self, *, scaled: bool) -> None:
+        """Make every optimizer leave weights and state as they are, the same on every rank."""
+        for p in self.params:
+            if scaled and p.grad is not None:
+                p.grad.fill_(math.nan)  # the scaler sees an overflow and skips the step
+            else:
+                p.grad = None
+
+    def state_flag(self) -> torch.Tensor:
+        """``[1]`` if this rank's optimizer state holds a NaN/Inf after the update (device)."""
+        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if not self.enabled:
+            return flag
+        for optimizer in self.optimizers:
+            flag = flag | state_nonfinite_flag(optimizer, self.params, self.device)
+        return flag
+
+    def merge(
+        self,
+        findings: Sequence[F],
+        state_flags: Sequence[int],
+        *,
+        known: frozenset[int],
+        poisoned: bool,
+        nonfinite: bool,
+        make: Callable[[Layer, Phase, tuple[int, ...], dict[str, Any]], F],
+    ) -> list[F]:
+        """The guard's findings with this layer's placed by strength of evidence: the pre-update
+        findings after a non-finite check and a vote (which name a rank by its own NaN or by a
+        majority) and before an audit, the optimizer-state finding last (it names every replica
+        that applied the update). ``findings`` come as the guard orders them: non-finite, vote,
+        audit; each is a tuple whose first item is its layer.
+
+        What follows from an event already raised is not new: nothing while a NaN is open,
+        nothing naming only replicas an alarm named as wrong (``known``), and no non-finite state
+        on the step of a non-finite gradient (or a scaler overflow) or while such replicas
+        exist (their gradients reach every replica through the all-reduce)."""
+        ours = [
+            make(*f)
+            for f in self._pending
+            if not (poisoned or (known and (not f.suspects or set(f.suspects) <= known)))
+        ]
+        at = sum(1 for f in findings if f[0] in _AHEAD)
+        out = [*findings[:at], *ours, *findings[at:]]
+        state = self._state.observe(state_flags)
+        if state is not None and not (poisoned or nonfinite or known):
+            out.append(
+                make(Layer.OPTSTATE, Phase.OPTIMIZER_STATE, state, self._state_detail(state))
+            )
+        return out
+
+    def _state_detail(self, ranks: tuple[int, ...]) -> dict[str, Any]:
+        return {
+            "check": "non-finite optimizer state after the update",
+            "statistic": "max |state|",
+            "threshold": "finite",
+            "ranks": list(ranks),
+            "reason": "every replica applied the same non-finite state: the vote cannot see it"
+            if len(ranks) == self.world_size
+            else "non-finite state on some replicas",
+        }
+
+    # -- the decision ----------------------------------------------------------------------------
+    def _decide(self, rows: Sequence[Sequence[float]], n_ratios: int) -> list[StepCheckFinding]:
+        losses = [r[1] for r in rows]
+        ratios = [list(r[2 : 2 + n_ratios]) for r in rows]
+        tail = [list(r[2 + n_ratios :]) for r in rows]
+        n_buckets = int(tail[0][0]) if tail and tail[0] else 0
+        buckets = [
+            [t[1 + BUCKET_FIELDS * b : 1 + BUCKET_FIELDS * (b + 1)] for b in range(n_buckets)]
+            for t in tail
+        ]
+        found: list[StepCheckFinding] = []
+        if not _finite_values(losses, buckets):
+            # A non-finite loss or gradient element on some rank: an overflow the scaler
+            # handles, or a NaN the non-finite check names. Neither a test nor a lesson here.
+            self.nonfinite_steps += 1
+            return found
+        self.tested_steps += 1
+        if self._check_reduction and n_buckets:
+            reduction = check_reduction(
+                [[b[0] for b in per] for per in buckets],
+                [[b[1] for b in per] for per in buckets],
+                [[b[3] for b in per] for per in buckets],
+                [self.stats.numel.get(k, 0) for k in sorted(self.stats.numel)] or [0] * n_buckets,
+                self._u,
+            )
+            if reduction is not None:
+                detail = {**reduction.to_detail(), "unit_roundoff": self._u}
+                found.append(
+                    StepCheckFinding(
+                        Layer.ALLREDUCE, Phase.POST_ALLREDUCE, reduction.suspects, detail
+                    )
+                )
+        if self.abft is not None and n_ratios:
+            abft = self._abft_finding(ratios)
+            if abft is not None:
+                found.append(abft)
+        self.detector.reset_if_layout_changed(n_buckets)
+        values = [
+            {
+                "loss": losses[r],
+                **{f"l2[{b}]": buckets[r][b][1] for b in range(n_buckets)},
+                **{f"amax[{b}]": buckets[r][b][2] for b in range(n_buckets)},
+            }
+            for r in range(len(rows))
+        ]
+        stats = self.detector.test(values)
+        if stats:
+            lead = max(stats, key=lambda f: f.deviation / f.threshold)
+            phase = Phase.LOSS if lead.statistic == "loss" else Phase.PRE_ALLREDUCE
+            found.append(
+                StepCheckFinding(
+                    Layer.GRADSTATS,
+                    phase,
+                    tuple(sorted(f.rank for f in stats)),
+                    {
+                        "test": lead.test,
+                        "statistic": f"log {lead.statistic}",
+                        "bucket": lead.bucket,
+                        "deviation": round(lead.deviation, 6),
+                        "threshold": round(lead.threshold, 6),
+                        "k": self.config.k,
+                        "floor_factor": self.config.floor_factor,
+                        "warmup": self.config.warmup,
+                        "per_rank": [f.to_detail() for f in stats],
+                        "evidence": WEAKER,
+                    },
+                )
+            )
+        if not found:
+            self.detector.learn(values)
+            if self.abft is not None and self._abft_tau is None:
+                self._learn_abft(ratios)
+        return found
+
+    def _learn_abft(self, ratios: Sequence[Sequence[float]]) -> None:
+        column = [max(r[i] for r in ratios) for i in range(len(ratios[0]))] if ratios else []
+        if not self._abft_clean:
+            self._abft_clean = [0.0] * len(column)
+        self._abft_clean = [max(a, b) for a, b in zip(self._abft_clean, column, strict=True)]
+        if self.detector.steps_learnt >= self.config.warmup:
+            self._abft_tau = [
+                max(self.config.abft_margin * c, self.config.abft_floor) for c in self._abft_clean
+            ]
+
+    def _abft_finding(self, ratios: Sequence[Sequence[float]]) -> StepCheckFinding | None:
+        tau = self._abft_tau
+        if tau is None or self.abft is None:
+            return None
+        worst: tuple[float, int, int] | None = None
+        suspects = set()
+        for rank, per in enumerate(ratios):
+            for i, value in enumerate(per):
+                if value > tau[i]:
+                    suspects.add(rank)
+                    score = value / tau[i] if math.isfinite(value) else math.inf
+                    if worst is None or score > worst[0]:
+                        worst = (score, rank, i)
+        if worst is None:
+            return None
+        _, rank, i = worst
+        layer, direction = divmod(i, 2)
+        value = ratios[rank][i]
+        return StepCheckFinding(
+            Layer.ABFT,
+            Phase.FORWARD if direction == 0 else Phase.BACKWARD,
+            tuple(sorted(suspects)),
+            {
+                "check": "forward row checksum" if direction == 0 else "weight-gradient checksum",
+                "module": self.abft.names[layer],
+                "statistic": value if math.isfinite(value) else "inf",
+                "threshold": tau[i],
+                "tolerance": "tau * u * sqrt(K) * (|x| @ colsum|W| + sum|b|)",
+                "evidence": "algebraic, on the suspect rank's own computation",
+            },
+        )

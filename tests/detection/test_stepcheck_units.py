@@ -1,0 +1,210 @@
+"""The per-step layer's pieces on their own: the all-reduce rounding bound against real float32
+reductions, the calibrated statistical tests, the optimizer-state flag, the Linear checksums."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from detection.abft import LinearChecksums
+from detection.allreduce_check import (
+    bucket_norm,
+    check_reduction,
+    chunked_sum,
+    reduction_bound,
+    unit_roundoff,
+)
+from detection.faults import flip_bit_
+from detection.gradstats import GradStatsDetector, StatsConfig, StatsConfigError
+from detection.optstate import OptimizerStateCheck, state_nonfinite_flag
+
+U32 = unit_roundoff(torch.float32)
+
+
+def _reduce(grads: list[torch.Tensor], order: list[int]) -> torch.Tensor:
+    """DDP's average in float32: divide each rank's bucket by W, then sum in ``order``."""
+    world = len(grads)
+    total = torch.zeros_like(grads[0])
+    for r in order:
+        total = total + grads[r] / world
+    return total
+
+
+def _sums(grads: list[torch.Tensor], reduced: list[torch.Tensor]) -> tuple[list[list[float]], ...]:
+    local = [[chunked_sum(g).item()] for g in grads]
+    norms = [[bucket_norm(g).item()] for g in grads]
+    post = [[chunked_sum(r).item()] for r in reduced]
+    return local, norms, post
+
+
+def test_unit_roundoff_of_float32_is_two_to_the_minus_24() -> None:
+    assert U32 == 2.0**-24
+
+
+def test_real_float32_reductions_stay_inside_the_bound() -> None:
+    """Many random buckets, heavy-tailed and with cancellation, reduced in random orders by
+    float32 arithmetic: never outside the derived bound."""
+    rng = random.Random(7)
+    for trial in range(60):
+        world = rng.choice([2, 3, 4, 6, 8])
+        n = rng.choice([1, 7, 1000, 50_000])
+        gen = torch.Generator().manual_seed(trial)
+        scale = 10.0 ** rng.uniform(-8, 3)
+        grads = [
+            torch.randn(n, generator=gen) * scale * torch.exp(3 * torch.randn(n, generator=gen))
+            for _ in range(world)
+        ]
+        if trial % 3 == 0:  # near-total cancellation across ranks
+            grads[-1] = -sum(grads[:-1], torch.zeros(n)) + 1e-3 * grads[-1]
+        order = list(range(world))
+        rng.shuffle(order)
+        reduced = _reduce(grads, order)
+        local, norms, post = _sums(grads, [reduced] * world)
+        assert check_reduction(local, norms, post, [n], U32) is None, trial
+        worst = abs(world * post[0][0] - math.fsum(x[0] for x in local))
+        assert worst <= reduction_bound(world, n, [x[0] for x in norms], U32)
+
+
+def test_a_flip_in_one_ranks_reduced_bucket_names_that_rank() -> None:
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(4096, generator=gen) * 1e-3 for _ in range(4)]
+    reduced = [_reduce(grads, [0, 1, 2, 3]) for _ in range(4)]
+    flip_bit_(reduced[2], 100, 23)  # the lowest exponent bit: x2 or ÷2 of one element
+    finding = check_reduction(*_sums(grads, reduced), [4096], U32)
+    assert finding is not None
+    assert finding.suspects == (2,)
+    assert finding.to_detail()["check"] == "reduced sums differ between replicas"
+
+
+def test_a_corrupted_reduction_seen_by_every_rank_breaks_the_bound_and_names_nobody() -> None:
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(4096, generator=gen) * 1e-3 for _ in range(4)]
+    reduced = _reduce(grads, [0, 1, 2, 3])
+    flip_bit_(reduced, 9, 26)  # one element x256 or ÷256, on every replica alike
+    finding = check_reduction(*_sums(grads, [reduced] * 4), [4096], U32)
+    assert finding is not None
+    assert finding.suspects == ()
+    detail = finding.to_detail()
+    assert detail["statistic"] > detail["threshold"] > 0
+
+
+def _clean_values(rng: random.Random, world: int, level: float) -> list[dict[str, float]]:
+    return [
+        {"loss": math.exp(rng.gauss(0.5, 0.1)), "l2[0]": math.exp(rng.gauss(level, 0.15))}
+        for _ in range(world)
+    ]
+
+
+def test_statistics_learn_then_name_the_outlying_rank_on_its_step() -> None:
+    rng = random.Random(3)
+    detector = GradStatsDetector(4, StatsConfig(warmup=20))
+    for _ in range(20):
+        assert detector.test(_clean_values(rng, 4, -2.0)) == []  # calibrating: silent
+        detector.learn(_clean_values(rng, 4, -2.0))
+    for _ in range(300):
+        values = _clean_values(rng, 4, -2.0)
+        assert detector.test(values) == []
+        detector.learn(values)
+    values = _clean_values(rng, 4, -2.0)
+    values[1]["l2[0]"] *= 500.0  # one element x65536 in a bucket of ~17k: the norm x~500
+    findings = detector.test(values)
+    assert [f.rank for f in findings] == [1]
+    assert findings[0].deviation > findings[0].threshold >= math.log(8.0)
+
+
+def test_two_ranks_rely_on_the_temporal_test() -> None:
+    rng = random.Random(4)
+    detector = GradStatsDetector(2, StatsConfig(warmup=20))
+    for _ in range(200):
+        detector.learn(_clean_values(rng, 2, -3.0))
+    values = _clean_values(rng, 2, -3.0)
+    values[0]["l2[0]"] *= 1e6
+    findings = detector.test(values)
+    assert [(f.rank, f.test) for f in findings] == [(0, "temporal")]
+
+
+def test_a_jump_on_every_rank_at_once_is_the_jobs_dynamics_not_a_fault() -> None:
+    rng = random.Random(5)
+    detector = GradStatsDetector(2, StatsConfig(warmup=20))
+    for _ in range(200):
+        detector.learn(_clean_values(rng, 2, -3.0))
+    values = _clean_values(rng, 2, -3.0)
+    for v in values:
+        v["l2[0]"] *= 1e3
+    assert detector.test(values) == []
+
+
+def test_optimizer_state_flag_sees_an_infinite_second_moment() -> None:
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    params = list(model.parameters())
+    assert state_nonfinite_flag(optimizer, params, torch.device("cpu")).item() == 0
+    optimizer.state[params[0]]["exp_avg_sq"][1, 2] = math.inf
+    assert state_nonfinite_flag(optimizer, params, torch.device("cpu")).item() == 1
+    check = OptimizerStateCheck()
+    assert check.observe([0, 1]) == (1,)
+    assert check.observe([0, 1]) is None  # the same state, still non-finite: one event
+    assert check.observe([0, 0]) is None
+    assert check.observe([1, 0]) == (0,)
+
+
+def _abft_model(flip_output: bool = False) -> tuple[nn.Sequential, LinearChecksums]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+    if flip_output:  # before the checksums' hooks, as the guard binds the fault injector first
+        model[2].register_forward_hook(lambda _m, _i, out: _flipped(out, 77, 24))
+    return model, LinearChecksums(model, list(model.parameters()))
+
+
+def _grad_pairs(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(p, p.grad) for p in model.parameters() if p.grad is not None]
+
+
+def test_linear_checksums_stay_small_on_clean_steps_fp32_and_bf16() -> None:
+    model, abft = _abft_model()
+    for autocast in (False, True):
+        abft.open()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(torch.randn(256, 64)).float().pow(2).mean()
+        loss.backward()
+        abft.on_local_gradient(_grad_pairs(model))
+        abft.close()
+        ratios = abft.ratios().tolist()
+        assert max(ratios) < 1.0, (autocast, ratios)
+        assert min(ratios) > 0.0  # every layer checked in both directions
+
+
+def test_linear_checksums_see_a_flipped_output_and_a_flipped_weight_gradient() -> None:
+    model, abft = _abft_model(flip_output=True)
+    abft.open()
+    model(torch.randn(256, 64)).pow(2).mean().backward()
+    grad = model[0].weight.grad
+    assert grad is not None
+    flip_bit_(grad.view(-1), 1234, 27)
+    abft.on_local_gradient(_grad_pairs(model))
+    abft.close()
+    (fwd0, bwd0), (fwd1, _bwd1) = abft.ratios().view(2, 2).tolist()
+    assert fwd1 > 100.0  # the flipped output of the last layer (clean: < 1)
+    assert bwd0 > 100.0  # the flipped weight gradient of the first
+    assert fwd0 < 1.0
+
+
+def _flipped(out: torch.Tensor, index: int, bit: int) -> torch.Tensor:
+    clone = out.clone()
+    flip_bit_(clone, index, bit)
+    return clone
+
+
+@pytest.mark.parametrize(
+    "bad", [{"k": 0.0}, {"floor_factor": 1.0}, {"warmup": 0}, {"alpha": 0.0}, {"abft_floor": 0.0}]
+)
+def test_stats_config_refuses_values_that_would_disarm_the_tests(bad: dict[str, float]) -> None:
+    with pytest.raises(StatsConfigError):
+        StatsConfig(**bad)  # type: ignore[arg-type]
