@@ -254,11 +254,15 @@ class _Growth:
         self.nodes.update(nodes)
 
 
-_CONTENT = ("job_id", "step", "rank", "node", "layer", "phase")
+# The event, not its reporter: an alarm id names one detected event (detection derives it from
+# job, step, layer, phase and suspects), and two reporters of that event — another rank, or the
+# job's re-run after a restart — send it from another rank and node, and at another time.
+_CONTENT = ("job_id", "step", "layer", "phase")
 
 
 def _content(alarm: AlarmIn) -> dict[str, Any]:
-    """What makes two alarms with one id the same alarm (``sent_at`` may differ on re-send)."""
+    """What makes two alarms with one id the same alarm: the event they report. The reporting
+    ``rank``/``node`` and ``sent_at`` may differ (a second reporter, a re-send, a re-run)."""
     return {
         **{name: getattr(alarm, name) for name in _CONTENT},
         "suspect_ranks": [int(r) for r in alarm.suspect_ranks],

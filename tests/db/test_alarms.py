@@ -194,6 +194,20 @@ def test_an_alarm_id_seen_before_with_other_content_is_a_conflict(ledger: Ledger
     assert ledger.record_alarm(make_alarm(step=7, alarm_id="a-1")).duplicate  # the same: fine
 
 
+def test_the_same_event_from_another_reporter_is_a_duplicate_not_a_conflict(
+    ledger: Ledger,
+) -> None:
+    """A job's re-run (or a second rank) reports the event it detected again, under the same
+    id, from another rank and node: the ledger keeps the first report and counts a duplicate."""
+    register(ledger)
+    first = ledger.record_alarm(make_alarm(step=7, alarm_id="a-1", rank=0, node="node-0"))
+    counts = row_counts(ledger.engine)
+    again = ledger.record_alarm(make_alarm(step=7, alarm_id="a-1", rank=2, node="node-2"))
+    assert again.duplicate
+    assert again.incident_id == first.incident_id
+    assert row_counts(ledger.engine) == counts
+
+
 def test_suspect_nodes_outside_the_rank_map_are_evidence_never_suspects(ledger: Ledger) -> None:
     register(ledger)  # node-0 .. node-3
     ledger.record_alarm(make_alarm(suspect_nodes=["node-2", "ip-10-0-0-9", "node-77"]))
