@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -34,3 +35,17 @@ def prefect_api() -> Iterator[str]:
         url = PREFECT_API_URL.value()
         assert url, "prefect_test_harness did not set PREFECT_API_URL"
         yield url
+
+
+@pytest.fixture(autouse=True)
+def _own_destructive_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test is its own fleet: its own global concurrency limit around destructive stages.
+
+    The session's Prefect server is shared, and its test harness runs no lease repossessor, so a
+    slot left by a test that ended mid-stage (a crash test, a killed worker) would block every
+    later test's replacement for good. Flows and subprocesses read the name from the
+    environment (``SDCGUARD_FLOW_DESTRUCTIVE_LIMIT``).
+    """
+    monkeypatch.setenv(
+        "SDCGUARD_FLOW_DESTRUCTIVE_LIMIT", f"sdcguard-destructive-{uuid.uuid4().hex[:12]}"
+    )

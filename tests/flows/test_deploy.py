@@ -38,6 +38,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from db import CheckpointStatus, IncidentState, Ledger
 from detection.signing import signed_headers
 from flows.approval import ApprovalDecision, flow_run_name, submit_decision
+from flows.coordination import CoordinationSettings
 from flows.serve import run_in_thread
 from flows.trigger import PrefectTrigger
 from flows.webhook import create_app
@@ -356,7 +357,7 @@ def _slots_held(api_url: str) -> int:
     """Active slots of the destructive limit (0 when the flow has not created it yet)."""
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         limits = {c.name: c for c in client.read_global_concurrency_limits()}
-    limit = limits.get("sdcguard-destructive")
+    limit = limits.get(CoordinationSettings().destructive_limit)
     return 0 if limit is None else int(limit.active_slots)
 
 
