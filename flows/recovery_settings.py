@@ -123,6 +123,12 @@ class AwsSettings(BaseSettings):
         max_length=63,
         description="Name of the SageMaker HyperPod cluster whose instances are replaced.",
     )
+    hyperpod_poll_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="How often a replacement or reboot is polled until its instance is Running.",
+    )
 
 
 class KubeSettings(BaseSettings):
@@ -205,6 +211,12 @@ class KubeSettings(BaseSettings):
         description="Label selector of the dcgm-exporter pods.",
     )
     exporter_port: int = Field(default=9400, ge=1, le=65535, description="dcgm-exporter port.")
+    join_poll_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="How often a replacement's node is polled until it is Ready in the cluster.",
+    )
 
 
 class FlowSettings(BaseSettings):

@@ -395,7 +395,11 @@ def build_backends(
             timeout_s=recovery.replay_timeout_s,
         ),
         hyperpod=HyperPod.from_settings(
-            aws.hyperpod_cluster, aws.region, aws.endpoint_url, session=aws_session
+            aws.hyperpod_cluster,
+            aws.region,
+            aws.endpoint_url,
+            session=aws_session,
+            poll_interval_s=aws.hyperpod_poll_s,
         ),
         # Checkpoints are read where their recorded URI points: s3:// or file:// (shared FS).
         checkpoints=UriCheckpointStore(
@@ -403,7 +407,7 @@ def build_backends(
             s3_store,
             default="s3" if bucket else "file",
         ),
-        directory=KubeNodeDirectory(nodes, kube.spare_nodes),
+        directory=KubeNodeDirectory(nodes, kube.spare_nodes, poll_s=kube.join_poll_s),
         catalog=KubeJobCatalog(KubeJobFinder(api_client, kube.namespace)),
         description=f"real: Kubernetes, HyperPod cluster {aws.hyperpod_cluster} ({aws.region})",
     )
