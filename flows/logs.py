@@ -6,6 +6,12 @@ Every log call in sdcguard passes its context in ``extra`` (``job``, ``incident`
 time, level, logger, message and every extra field, as python-json-logger renders them — what a
 log pipeline can filter by incident or node. ``text`` keeps the human format for terminals.
 
+Processes Prefect starts (a worker, and each flow run it launches) configure logging from
+Prefect's own settings before any sdcguard code runs, so they get JSON through
+``PREFECT_LOGGING_SETTINGS_PATH`` = :data:`PREFECT_LOGGING_CONFIG`, a copy of Prefect's default
+configuration whose console handler uses :func:`json_formatter` (set in the work pool's
+environment; prefect.yaml and the image do).
+
 Invariant: :func:`configure_logging` is idempotent — calling it again replaces our handler,
 never adds a second one (no duplicated lines).
 """
@@ -15,15 +21,24 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TextIO
+from pathlib import Path
+from typing import Final, TextIO
 
 from pythonjsonlogger.json import JsonFormatter
 
-__all__ = ["CONTEXT_FIELDS", "LOG_FORMAT_ENV", "configure_logging", "json_formatter"]
+__all__ = [
+    "CONTEXT_FIELDS",
+    "LOG_FORMAT_ENV",
+    "PREFECT_LOGGING_CONFIG",
+    "configure_logging",
+    "json_formatter",
+]
 
 LOG_FORMAT_ENV = "SDCGUARD_LOG_FORMAT"
 CONTEXT_FIELDS = ("job", "incident", "rank", "node", "step")
 _MARK = "_sdcguard_handler"
+PREFECT_LOGGING_CONFIG: Final = Path(__file__).with_name("prefect-logging.yaml")
+"""Prefect's logging configuration with JSON console lines (``PREFECT_LOGGING_SETTINGS_PATH``)."""
 
 
 def json_formatter() -> logging.Formatter:
