@@ -19,25 +19,20 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from db import CheckpointStatus, IncidentState, Ledger
 from detection.signing import signed_headers
-from flows.approval import ApprovalDecision, flow_run_name, submit_decision
+from flows.approval import ApprovalDecision, submit_decision
 from flows.coordination import CoordinationSettings
 from flows.serve import run_in_thread
 from flows.trigger import PrefectTrigger
@@ -46,71 +41,24 @@ from recovery.aws_local import create_demo_cluster, start_local_aws
 from recovery.cluster import LocalCluster, NodeState
 from recovery.jobs import JobKind, JobRef, LocalJobControl
 from tests.flows.conftest import flush_prefect_events
+from tests.prefect_processes import (
+    PREFECT,
+    flow_run_state,
+    flow_run_state_full,
+    free_port,
+    kill,
+    prefect_healthy,
+    process,
+    run_cli,
+    wait_for,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-PREFECT = str(Path(sys.executable).with_name("prefect"))
 SECRET = "deploy-test-webhook-secret-0123456789"
 NODES = ["node-0", "node-1", "node-2", "node-3"]
 SPARES = ["node-4", "node-5"]
 JOB = "job-deployed"
 HYPERPOD_CLUSTER = "sdc-deploy"
 STAND_IN = [sys.executable, "-c", "import time; time.sleep(300)"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_for(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float = 0.5) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s:g} s")
-        time.sleep(poll_s)
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a process group: no clean shutdown, as when a node or pod dies."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
-@contextlib.contextmanager
-def _process(
-    argv: list[str], env: Mapping[str, str], log: Path
-) -> Iterator[subprocess.Popen[bytes]]:
-    """Start a process in its own group; SIGINT (then SIGKILL) that group on the way out."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv,
-            env=dict(env),
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            yield proc
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-
-
-def _run_cli(argv: list[str], env: Mapping[str, str]) -> str:
-    done = subprocess.run(
-        argv, env=dict(env), cwd=REPO, capture_output=True, text=True, timeout=180, check=False
-    )
-    assert done.returncode == 0, f"{argv} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
 
 
 class _ApiBoundTrigger:
@@ -180,22 +128,6 @@ def _alarm() -> dict[str, Any]:
     }
 
 
-def _flow_run_state(api_url: str, incident_id: str) -> str | None:
-    state = _flow_run_state_full(api_url, incident_id)
-    return state[0] if state else None
-
-
-def _flow_run_state_full(api_url: str, incident_id: str) -> tuple[str, str] | None:
-    """(type, name) of the incident's flow run's state; ``None`` when it has no run yet."""
-    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run_name(incident_id)]))
-        )
-    if not runs or runs[0].state is None:
-        return None
-    return runs[0].state.type.value, str(runs[0].state.name)
-
-
 LEASE_S = float(os.environ.get("SDCGUARD_SOAK_LEASE_S", "30"))
 """The server's deployment-concurrency lease: Prefect's minimum (30 s) in ``make test``;
 ``benchmarks/durable_approval.py`` sets Prefect's default (300 s) and waits that out."""
@@ -206,7 +138,7 @@ LEASE_S = float(os.environ.get("SDCGUARD_SOAK_LEASE_S", "30"))
 def test_prefect_yaml_deploys_and_a_late_approval_survives_worker_and_server_restarts(
     tmp_path: Path, sqlite_database_url: str
 ) -> None:
-    port = _free_port()
+    port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     state_dir = tmp_path / "state"
     prefect_env = {
@@ -243,23 +175,29 @@ def test_prefect_yaml_deploys_and_a_late_approval_survives_worker_and_server_res
         try:
             with contextlib.ExitStack() as stack:
                 server_proc = stack.enter_context(
-                    _process(server, prefect_env, tmp_path / "server.log")
+                    process(server, prefect_env, tmp_path / "server.log")
                 )
-                _wait_for("the Prefect server answers", lambda: _healthy(api_url), timeout_s=120)
-                _run_cli(
+                wait_for(
+                    "the Prefect server answers", lambda: prefect_healthy(api_url), timeout_s=120
+                )
+                run_cli(
                     [PREFECT, "work-pool", "create", "sdcguard-local", "--type", "process"],
                     prefect_env,
                 )
-                _run_cli(
+                run_cli(
                     [PREFECT, "work-pool", "create", "sdcguard-k8s", "--type", "kubernetes"],
                     prefect_env,
                 )
-                out = _run_cli([PREFECT, "--no-prompt", "deploy", "--all"], prefect_env)
+                run_cli(
+                    [PREFECT, "work-pool", "create", "sdcguard-real", "--type", "process"],
+                    prefect_env,
+                )
+                out = run_cli([PREFECT, "--no-prompt", "deploy", "--all"], prefect_env)
                 assert "incident-response/incident-production" in out
                 _check_deployments(api_url)
 
                 first_worker = stack.enter_context(
-                    _process(worker, worker_env, tmp_path / "worker-1.log")
+                    process(worker, worker_env, tmp_path / "worker-1.log")
                 )
                 ledger = stack.enter_context(Ledger.from_url(sqlite_database_url))
                 app = create_app(ledger, _ApiBoundTrigger(api_url), SECRET)
@@ -269,9 +207,9 @@ def test_prefect_yaml_deploys_and_a_late_approval_survives_worker_and_server_res
                 assert accepted.status_code == 202, accepted.text
                 incident_id = accepted.json()["incident_id"]
 
-                _wait_for(
+                wait_for(
                     "the worker's flow run suspends for approval",
-                    lambda: _flow_run_state_full(api_url, incident_id) == ("PAUSED", "Suspended"),
+                    lambda: flow_run_state_full(api_url, incident_id) == ("PAUSED", "Suspended"),
                     timeout_s=180,
                 )
                 suspended_at = time.monotonic()
@@ -281,30 +219,30 @@ def test_prefect_yaml_deploys_and_a_late_approval_survives_worker_and_server_res
                 assert _slots_held(api_url) == 0
 
                 # the worker dies; the server restarts (same database); a new worker comes up
-                _kill(first_worker)
-                _kill(server_proc)
-                stack.enter_context(_process(server, prefect_env, tmp_path / "server-2.log"))
-                _wait_for("the restarted server answers", lambda: _healthy(api_url), 120)
+                kill(first_worker)
+                kill(server_proc)
+                stack.enter_context(process(server, prefect_env, tmp_path / "server-2.log"))
+                wait_for("the restarted server answers", lambda: prefect_healthy(api_url), 120)
                 # this process's events worker was bound to this URL by the trigger: flush it
                 # while the server is up, so it never drains into a stopped one later
                 stack.callback(_flush_events_to, api_url)
-                stack.enter_context(_process(worker, worker_env, tmp_path / "worker-2.log"))
-                _wait_for(
+                stack.enter_context(process(worker, worker_env, tmp_path / "worker-2.log"))
+                wait_for(
                     "more than one lease period to pass",
                     lambda: time.monotonic() - suspended_at > LEASE_S + 5,
                     timeout_s=LEASE_S + 60,
                     poll_s=1,
                 )
-                assert _flow_run_state_full(api_url, incident_id) == ("PAUSED", "Suspended")
+                assert flow_run_state_full(api_url, incident_id) == ("PAUSED", "Suspended")
 
                 decision = ApprovalDecision(
                     decision="approve", approver="oncall@example.com", reason="node-2"
                 )
                 with temporary_settings({PREFECT_API_URL: api_url}):
                     submit_decision(incident_id, decision, timeout_s=60)
-                _wait_for(
+                wait_for(
                     "the re-entered flow run completes",
-                    lambda: _flow_run_state(api_url, incident_id) == "COMPLETED",
+                    lambda: flow_run_state(api_url, incident_id) == "COMPLETED",
                     timeout_s=180,
                 )
 
@@ -326,17 +264,10 @@ def test_prefect_yaml_deploys_and_a_late_approval_survives_worker_and_server_res
             jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
 
 
-def _healthy(api_url: str) -> bool:
-    try:
-        return httpx.get(f"{api_url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _check_deployments(api_url: str) -> None:
     with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
         deployments = {d.name: d for d in client.read_deployments()}
-    assert set(deployments) == {"incident", "incident-production"}
+    assert set(deployments) == {"incident", "incident-real", "incident-production"}
     for deployment in deployments.values():
         # no deployment-wide limit: containment never queues, a suspended run holds nothing
         assert deployment.global_concurrency_limit is None
@@ -344,6 +275,7 @@ def _check_deployments(api_url: str) -> None:
     local, production = deployments["incident"], deployments["incident-production"]
     assert local.work_pool_name == "sdcguard-local"
     assert production.work_pool_name == "sdcguard-k8s"
+    assert deployments["incident-real"].work_pool_name == "sdcguard-real"
     assert production.pull_steps == [
         {"prefect.deployments.steps.set_working_directory": {"directory": "/opt/sdcguard"}}
     ]

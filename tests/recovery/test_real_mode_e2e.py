@@ -1,45 +1,56 @@
-"""Real mode end to end, at the wire: one alarm from a user's own training job to ``resolved``.
+"""Real mode end to end, at the wire: one alarm from a user's own training job to ``resolved``,
+through the incident deployment of ``prefect.yaml`` that a process worker runs.
 
-``SDCGUARD_RECOVERY_MODE=real`` backends are built by ``flows.wiring.build_backends`` from the
-settings, with the official clients pointed at the HTTP-level fake Kubernetes API (its kubelet,
-``tests/recovery/fake_kubelet.py``, runs each pod's real command) and at a moto server (HyperPod
-and S3). The job is ``tests/recovery/user_job/train.py`` — a script written as a user would,
-with the few sdcguard lines and its own S3 uploads — in a PyTorchJob labelled
-``sdcguard.io/job-id``. Its node ``hyperpod-<a>`` has bad hardware (a node-bound fault).
+The job is ``tests/recovery/user_job/train.py`` — a script written as a user would, with the
+few sdcguard lines and its own S3 uploads — in a PyTorchJob labelled ``sdcguard.io/job-id`` on
+the HTTP-level fake Kubernetes API, whose kubelet (``tests/recovery/fake_kubelet.py``) runs each
+pod's real command. Its node ``hyperpod-<a>`` has bad hardware (a node-bound fault). AWS is a
+moto server with the HyperPod extension (HyperPod and S3).
 
-The flow runs in this process against the session Prefect server (``prefect_api``); the
-webhook is the real app on uvicorn. What differs from production is timing only: poll
-intervals of the HyperPod and node-join waits are shortened, and a small "node join" thread
-plays EKS, adding the ``hyperpod-<new id>`` node once moto reports the new instance running.
+What an operator runs, each its own process: ``prefect deploy --name incident-real`` (the
+process-pool deployment of ``prefect.yaml``, real backends; the operator's policy allows
+auto-approval), ``prefect worker start --pool sdcguard-real`` whose flow-run process builds the
+real backends from its environment (``SDCGUARD_RECOVERY_MODE=real``, a kubeconfig naming the
+fake API, ``SDCGUARD_AWS_ENDPOINT_URL`` naming moto), and ``sdcguard serve --trigger prefect``,
+which receives the job's alarm and starts the deployment. The Prefect server is the session's.
+What differs from production is timing only: the HyperPod and node-join polls are shortened by
+their settings, and a small "node join" thread plays EKS, adding the ``hyperpod-<new id>`` node
+once moto reports the new instance running.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import http.server
 import json
+import os
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
+import httpx
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.workers.process import ProcessWorker
 
 from db import IncidentState, Ledger
-from flows.incident import incident_response
-from flows.policy import IncidentPolicy
-from flows.recovery_settings import AwsSettings, BackendMode, KubeSettings, RecoverySettings
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
-from flows.webhook import create_app
-from flows.wiring import KubeNodeDirectory, build_backends, use_backends
+from flows.logs import PREFECT_LOGGING_CONFIG
 from recovery.aws_local import LocalAws, create_demo_bucket, create_demo_cluster, start_local_aws
-from recovery.hyperpod import HyperPod
 from recovery.jobs import JOB_ID_LABEL
 from recovery.telemetry import packaged_fixture_root
 from tests.deploy.rbac import denied, rules_of, used
+from tests.prefect_processes import (
+    PREFECT,
+    REPO,
+    flow_run_state,
+    free_port,
+    process,
+    wait_for,
+)
 from tests.recovery.fake_kube import FakeKube
 from tests.recovery.fake_kubelet import FakeKubelet
 
@@ -49,15 +60,18 @@ BUCKET = "user-checkpoints"
 SECRET = "e2e-webhook-secret-0123456789abcdef"
 CLUSTER = "sdcguard-e2e"
 SCRIPT = Path(__file__).parent / "user_job" / "train.py"
-REPO = Path(__file__).resolve().parents[2]
-# Three nodes in the job: one of three implicated is no storm at a 50 % share.
-AUTO = IncidentPolicy(
-    task_retries=1,
-    retry_delay_s=0.0,
-    approval_timeout_s=60,
-    auto_approve=True,
-    storm_node_share=0.5,
-)
+POOL = "sdcguard-real"
+DEPLOYMENT = "incident-response/incident-real"
+# The operator's policy for this cluster, given at deploy time. Three nodes in the job: one of
+# three implicated is no storm at a 50 % share.
+POLICY = {
+    "action": "replace",
+    "auto_approve": True,
+    "approval_timeout_s": 60,
+    "storm_node_share": 0.5,
+    "task_retries": 1,
+    "retry_delay_s": 0.0,
+}
 
 
 class _Exporter(http.server.BaseHTTPRequestHandler):
@@ -134,20 +148,13 @@ def _user_job(fake: FakeKube, nodes: list[str], env: dict[str, str]) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_one_alarm_from_a_users_job_to_resolved(
-    tmp_path: Path,
-    aws: LocalAws,
-    sqlite_database_url: str,
-    prefect_api: str,
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, aws: LocalAws, sqlite_database_url: str, prefect_api: str
 ) -> None:
     session = aws.session()
     instances = create_demo_cluster(aws, CLUSTER, 5)
     create_demo_bucket(aws, BUCKET)
-    suspect, healthy, other, spare_a, spare_b = (f"hyperpod-{i}" for i in instances)
-    ledger = Ledger.from_url(sqlite_database_url)
-    stop_join = threading.Event()
-    exporter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exporter)
-    threading.Thread(target=exporter.serve_forever, daemon=True).start()
+    nodes = tuple(f"hyperpod-{i}" for i in instances)
+    suspect, healthy, other, spare_a, spare_b = nodes
     credentials = session.get_credentials()
     aws_env = {
         "AWS_ENDPOINT_URL": aws.endpoint_url,
@@ -156,11 +163,47 @@ def test_one_alarm_from_a_users_job_to_resolved(
         "AWS_SESSION_TOKEN": credentials.token,
         "AWS_DEFAULT_REGION": aws.region,
     }
-    with (
-        FakeKube() as fake,
-        run_in_thread(create_app(ledger, RecordingTrigger(), SECRET)) as webhook_url,
-    ):
-        for node in (suspect, healthy, other, spare_a, spare_b):
+    exporter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exporter)
+    threading.Thread(target=exporter.serve_forever, daemon=True).start()
+    stop_join = threading.Event()
+    webhook_port = free_port()
+    prefect_env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    _create_pool(prefect_api)
+    with contextlib.ExitStack() as stack:
+        fake = stack.enter_context(FakeKube())
+        stack.callback(exporter.shutdown)
+        # What the operator runs: the deployment, its worker, the webhook. They start together
+        # (each a Python process importing Prefect) while the test cluster is set up.
+        deploy = stack.enter_context(process(
+            [PREFECT, "--no-prompt", "deploy", "--name", "incident-real",
+             "--params", json.dumps({"policy": POLICY})],
+            prefect_env, tmp_path / "deploy.log",
+        ))  # fmt: skip
+        worker_log = tmp_path / "worker.log"
+        worker_env = {
+            **prefect_env,
+            **_operator_env(tmp_path, fake.url, aws, sqlite_database_url, exporter),
+            "SDCGUARD_KUBE_SPARE_NODES": json.dumps([spare_a, spare_b]),
+            **{k: v for k, v in aws_env.items() if k != "AWS_ENDPOINT_URL"},
+        }
+        stack.enter_context(process(
+            [PREFECT, "worker", "start", "--pool", POOL, "--type", "process"],
+            worker_env, worker_log,
+        ))  # fmt: skip
+        webhook_url = f"http://127.0.0.1:{webhook_port}"
+        stack.enter_context(process(
+            [sys.executable, "-m", "flows.cli", "serve", "--port", str(webhook_port),
+             "--trigger", "prefect"],
+            {
+                **prefect_env,
+                "SDCGUARD_WEBHOOK_SECRET": SECRET,
+                "SDCGUARD_DATABASE_URL": sqlite_database_url,
+                "SDCGUARD_PREFECT_DEPLOYMENT": DEPLOYMENT,
+                "SDCGUARD_LOG_FORMAT": "json",
+            },
+            tmp_path / "webhook.log",
+        ))  # fmt: skip
+        for node in nodes:
             fake.add_node(node, instance_id=node.removeprefix("hyperpod-"))
         fake.add_pod(
             "dcgm-exporter-x1", namespace="gpu-operator", node=suspect,
@@ -171,41 +214,81 @@ def test_one_alarm_from_a_users_job_to_resolved(
             lambda o: o["status"].update(podIP="127.0.0.1"), namespace="gpu-operator",
         )  # fmt: skip
         kubelet = FakeKubelet(fake, tmp_path, env={"PYTHONPATH": str(REPO)}).start()
+        stack.callback(kubelet.stop)
         joiner = threading.Thread(target=_node_join, args=(fake, aws, stop_join), daemon=True)
         joiner.start()
-        try:
-            _run(tmp_path, fake, kubelet, session, ledger, aws, webhook_url, exporter, aws_env,
-                 (suspect, healthy, other, spare_a, spare_b), monkeypatch)  # fmt: skip
-        finally:
-            stop_join.set()
-            kubelet.stop()
-            exporter.shutdown()
+        stack.callback(stop_join.set)
+        _user_job(fake, [suspect, healthy, other], {
+            "SDCGUARD_CONTRACT": "strict",
+            "SDCGUARD_JOB_ID": JOB_ID,
+            "SDCGUARD_WEBHOOK_URL": webhook_url,
+            "SDCGUARD_WEBHOOK_SECRET": SECRET,
+            "SDCGUARD_CHECKPOINT_URI_PREFIX": f"s3://{BUCKET}/{JOB_ID}",
+            "FAULT": f"act-flip@node={suspect}:from=10",
+            "TRAIN_STEPS": "400",
+            **aws_env,
+        })  # fmt: skip
+        assert deploy.wait(timeout=180) == 0, (tmp_path / "deploy.log").read_text()[-3000:]
+        wait_for("the webhook answers", lambda: _up(webhook_url), timeout_s=120, poll_s=0.2)
+        ledger = stack.enter_context(Ledger.from_url(sqlite_database_url))
+        _run(fake, kubelet, ledger, prefect_api, worker_log, nodes)
+
+
+def _operator_env(
+    tmp_path: Path,
+    kube_url: str,
+    aws: LocalAws,
+    database_url: str,
+    exporter: http.server.ThreadingHTTPServer,
+) -> dict[str, str]:
+    """The worker's environment, as the operator of a real-mode process worker writes it."""
+    return {
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_LOGGING_SETTINGS_PATH": str(PREFECT_LOGGING_CONFIG),
+        "SDCGUARD_DATABASE_URL": database_url,
+        # The operator allows auto-approval server-side; the run's policy alone cannot.
+        "SDCGUARD_POLICY_AUTO_APPROVE": "true",
+        "SDCGUARD_RECOVERY_CHECKPOINT_BUCKET": BUCKET,
+        "SDCGUARD_RECOVERY_CHECKPOINT_ROOT": str(tmp_path / "shared"),
+        "SDCGUARD_AWS_ENDPOINT_URL": aws.endpoint_url,
+        "SDCGUARD_AWS_REGION": aws.region,
+        "SDCGUARD_AWS_HYPERPOD_CLUSTER": CLUSTER,
+        "SDCGUARD_KUBE_NAMESPACE": TRAINING_NS,
+        "SDCGUARD_KUBE_EXPORTER_PORT": str(exporter.server_address[1]),
+        "SDCGUARD_KUBE_STOP_TIMEOUT_S": "60",
+        "KUBECONFIG": str(_kubeconfig(tmp_path, kube_url)),
+        # Timing only: production polls HyperPod and node joins every 10 s.
+        "SDCGUARD_AWS_HYPERPOD_POLL_S": "0.05",
+        "SDCGUARD_KUBE_JOIN_POLL_S": "0.05",
+    }
+
+
+def _create_pool(api_url: str) -> None:
+    """``prefect work-pool create sdcguard-real --type process``, through the API."""
+    template = ProcessWorker.get_default_base_job_template()
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        client.create_work_pool(
+            WorkPoolCreate(name=POOL, type="process", base_job_template=template),
+            overwrite=True,
+        )
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _run(
-    tmp_path: Path,
     fake: FakeKube,
     kubelet: FakeKubelet,
-    session: boto3.session.Session,
     ledger: Ledger,
-    aws: LocalAws,
-    webhook_url: str,
-    exporter: http.server.ThreadingHTTPServer,
-    aws_env: dict[str, str],
-    nodes: tuple[str, str, str, str, str],
-    monkeypatch: pytest.MonkeyPatch,
+    api_url: str,
+    worker_log: Path,
+    nodes: tuple[str, ...],
 ) -> None:
-    suspect, healthy, other, spare_a, spare_b = nodes
-    _user_job(fake, [suspect, healthy, other], {
-        "SDCGUARD_CONTRACT": "strict",
-        "SDCGUARD_JOB_ID": JOB_ID,
-        "SDCGUARD_WEBHOOK_URL": webhook_url,
-        "SDCGUARD_WEBHOOK_SECRET": SECRET,
-        "SDCGUARD_CHECKPOINT_URI_PREFIX": f"s3://{BUCKET}/{JOB_ID}",
-        "FAULT": f"act-flip@node={suspect}:from=10",
-        "TRAIN_STEPS": "400",
-        **aws_env,
-    })  # fmt: skip
+    suspect, _, _, spare_a, _ = nodes
     # The job starts (Kueue admitting it, or its owner, unsuspends it the same way).
     import kubernetes.client as k8s
 
@@ -221,47 +304,20 @@ def _run(
     first_procs = [kubelet._procs[(TRAINING_NS, p)] for p in first_pods]
 
     incident_id = _wait_for_incident(ledger, kubelet, first_pods)
-
-    kubeconfig = _kubeconfig(tmp_path, fake.url)
-    for key, value in {
-        "SDCGUARD_RECOVERY_MODE": "real",
-        # The operator allows auto-approval server-side; the run's policy alone cannot.
-        "SDCGUARD_POLICY_AUTO_APPROVE": "true",
-        "SDCGUARD_RECOVERY_CHECKPOINT_BUCKET": BUCKET,
-        "SDCGUARD_RECOVERY_CHECKPOINT_ROOT": str(tmp_path / "shared"),
-        "SDCGUARD_AWS_ENDPOINT_URL": aws.endpoint_url,
-        "SDCGUARD_AWS_REGION": aws.region,
-        "SDCGUARD_AWS_HYPERPOD_CLUSTER": CLUSTER,
-        "SDCGUARD_KUBE_NAMESPACE": TRAINING_NS,
-        "SDCGUARD_KUBE_SPARE_NODES": json.dumps([spare_a, spare_b]),
-        "SDCGUARD_KUBE_EXPORTER_PORT": str(exporter.server_address[1]),
-        "SDCGUARD_KUBE_STOP_TIMEOUT_S": "60",
-        "KUBECONFIG": str(kubeconfig),
-    }.items():
-        monkeypatch.setenv(key, value)
-    recovery = RecoverySettings()
-    assert recovery.mode is BackendMode.REAL
-    backends = build_backends(
-        recovery, database_url=str(ledger.engine.url.render_as_string(hide_password=False)),
-        aws=AwsSettings(), kube=KubeSettings(), aws_session=session,
-    )  # fmt: skip
-    # Timing only: production polls HyperPod and node joins every 10-30 s.
-    backends = dataclasses.replace(
-        backends,
-        hyperpod=HyperPod.from_settings(
-            CLUSTER, aws.region, aws.endpoint_url, session=session, poll_interval_s=0.05
-        ),
-        directory=KubeNodeDirectory(backends.nodes, [spare_a, spare_b], poll_s=0.05),
+    # The webhook started the deployment; the worker's flow-run process runs it to its end.
+    wait_for(
+        "the deployed flow run ends",
+        lambda: flow_run_state(api_url, incident_id) in {"COMPLETED", "FAILED", "CRASHED"},
+        timeout_s=400,
+        poll_s=1,
     )
-    with use_backends(backends):
-        incident_response(incident_id, AUTO)
-
     incident = ledger.get_incident(incident_id)
     assert incident.state is IncidentState.RESOLVED, (
         incident.state, incident.verdict, incident.approval_reason, incident.storm_reason,
         [(a.layer, a.phase, a.suspect_nodes) for a in incident.alarms],
-        json.dumps(incident.evidence)[:3000],
+        json.dumps(incident.evidence)[:3000], worker_log.read_text()[-4000:],
     )  # fmt: skip
+    assert flow_run_state(api_url, incident_id) == "COMPLETED"
     # Found by label, stopped: the first pods' processes ended (the pods were deleted; the
     # resumed job's pods carry the same names, as the operator names them).
     assert all(p.poll() is not None for p in first_procs)
@@ -295,6 +351,25 @@ def _run(
     assert "resume" in summary
     assert summary["resume"].detail["checkpoint_uri"].startswith("s3://")
     _check_rbac(fake)
+    _check_json_logs(worker_log.read_text(), incident_id, suspect)
+
+
+def _check_json_logs(output: str, incident_id: str, suspect: str) -> None:
+    """The flow-run process logged JSON lines carrying the incident, the job and the node."""
+    records = []
+    for line in output.splitlines():
+        if line.startswith("{"):
+            records.append(json.loads(line))
+        else:
+            # every log record is JSON: a line naming the incident that is not is a bug
+            assert incident_id not in line, line
+    ours = [r for r in records if str(r.get("logger", "")).startswith("flows.")]
+    assert ours, output[-3000:]
+    assert all({"time", "level", "logger", "message"} <= r.keys() for r in records)
+    assert any(r.get("incident") == incident_id and r.get("job") == JOB_ID for r in ours), ours
+    assert any(r.get("incident") == incident_id and r.get("node") == suspect for r in ours), ours
+    # Prefect's own records of the run are JSON too, with its run's name
+    assert any(str(r.get("flow_run_name", "")).endswith(incident_id) for r in records), records[:5]
 
 
 def _check_rbac(fake: FakeKube) -> None:
