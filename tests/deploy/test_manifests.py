@@ -13,26 +13,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy.overlays import DEPLOY, MANIFESTS, PATCHES, docs, patched
+
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
 K8S_VERSION = "1.30"
-KUSTOMIZATIONS = sorted((DEPLOY / "k8s").rglob("kustomization.yaml"))
-# A kustomize patch is a fragment, not an object: it is validated merged onto its target.
-PATCHES = sorted(
-    (k.parent / patch["path"]).resolve()
-    for k in KUSTOMIZATIONS
-    for patch in (yaml.safe_load(k.read_text()) or {}).get("patches", [])
-    if "path" in patch
-)
-MANIFESTS = sorted(
-    p
-    for p in (DEPLOY / "k8s").rglob("*.yaml")
-    if p.name != "kustomization.yaml" and p.resolve() not in PATCHES
-)
-
-
-def _docs(path: Path) -> list[dict[str, Any]]:
-    return [d for d in yaml.safe_load_all(path.read_text()) if d]
 
 
 def _validate(doc: dict[str, Any]) -> None:
@@ -41,47 +25,19 @@ def _validate(doc: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_every_manifest_is_valid_kubernetes(path: Path) -> None:
-    docs = _docs(path)
-    assert docs
-    for doc in docs:
+    objects = docs(path)
+    assert objects
+    for doc in objects:
         _validate(doc)
-
-
-def _strategic_merge(base: Any, patch: Any) -> Any:
-    """Kubernetes' strategic merge for what our patches use: maps merge key by key, lists of
-    named items (containers, env, volumes, mounts) merge by ``name``, anything else replaces."""
-    if isinstance(base, dict) and isinstance(patch, dict):
-        merged = dict(base)
-        for key, value in patch.items():
-            merged[key] = _strategic_merge(base[key], value) if key in base else value
-        return merged
-    if (
-        isinstance(base, list)
-        and isinstance(patch, list)
-        and all(isinstance(i, dict) and "name" in i for i in [*base, *patch])
-    ):
-        by_name = {item["name"]: item for item in base}
-        for item in patch:
-            by_name[item["name"]] = _strategic_merge(by_name.get(item["name"], {}), item)
-        return list(by_name.values())
-    return patch
 
 
 @pytest.mark.parametrize("path", PATCHES, ids=lambda p: str(p.relative_to(DEPLOY.resolve())))
 def test_every_patch_gives_a_valid_object_on_its_target(path: Path) -> None:
-    (patch,) = _docs(path)
-    targets = [
-        doc
-        for manifest in MANIFESTS
-        for doc in _docs(manifest)
-        if (doc["kind"], doc["metadata"]["name"]) == (patch["kind"], patch["metadata"]["name"])
-    ]
-    assert len(targets) == 1, f"{path.name} must patch exactly one base object"
-    _validate(_strategic_merge(targets[0], patch))
+    _validate(patched(path))
 
 
 def test_an_invalid_manifest_is_refused() -> None:
-    bad = _docs(DEPLOY / "k8s" / "base" / "webhook.yaml")[0]
+    bad = docs(DEPLOY / "k8s" / "base" / "webhook.yaml")[0]
     bad["spec"]["replicas"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
         _validate(bad)
@@ -95,7 +51,7 @@ def test_kustomizations_name_only_files_that_exist() -> None:
 
 
 def test_the_names_other_components_rely_on() -> None:
-    objects = {(d["kind"], d["metadata"]["name"]) for p in MANIFESTS for d in _docs(p)}
+    objects = {(d["kind"], d["metadata"]["name"]) for p in MANIFESTS for d in docs(p)}
     for expected in [
         ("Namespace", "sdcguard"),
         ("Deployment", "sdcguard-webhook"),
@@ -109,7 +65,7 @@ def test_the_names_other_components_rely_on() -> None:
         ),
     ]:
         assert expected in objects
-    webhook = next(d for d in _docs(DEPLOY / "k8s" / "base" / "webhook.yaml")
+    webhook = next(d for d in docs(DEPLOY / "k8s" / "base" / "webhook.yaml")
                    if d["kind"] == "Deployment")  # fmt: skip
     (container,) = webhook["spec"]["template"]["spec"]["containers"]
     assert container["name"] == "webhook"
@@ -117,7 +73,7 @@ def test_the_names_other_components_rely_on() -> None:
 
 
 def test_the_example_job_meets_the_training_job_contract() -> None:
-    (job,) = _docs(DEPLOY / "examples" / "pytorchjob.yaml")
+    (job,) = docs(DEPLOY / "examples" / "pytorchjob.yaml")
     assert job["metadata"]["labels"]["sdcguard.io/job-id"]
     for replica in job["spec"]["pytorchReplicaSpecs"].values():
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"},
