@@ -24,6 +24,7 @@ import contextlib
 import http.server
 import json
 import os
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kubernetes.client as k8s
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
@@ -39,8 +41,16 @@ from prefect.workers.process import ProcessWorker
 
 from db import IncidentState, Ledger
 from flows.logs import PREFECT_LOGGING_CONFIG
+from flows.wiring import build_backends
 from recovery.aws_local import LocalAws, create_demo_bucket, create_demo_cluster, start_local_aws
-from recovery.jobs import JOB_ID_LABEL
+from recovery.jobs import (
+    JOB_ID_LABEL,
+    RESUME_ENV_FROM_ANNOTATION,
+    JobKind,
+    ResumeOutcome,
+    StopOutcome,
+)
+from recovery.kube import api_client_for_host
 from recovery.telemetry import packaged_fixture_root
 from tests.deploy.rbac import denied, rules_of, used
 from tests.prefect_processes import (
@@ -62,13 +72,12 @@ CLUSTER = "sdcguard-e2e"
 SCRIPT = Path(__file__).parent / "user_job" / "train.py"
 POOL = "sdcguard-real"
 DEPLOYMENT = "incident-response/incident-real"
-# The operator's policy for this cluster, given at deploy time. Three nodes in the job: one of
-# three implicated is no storm at a 50 % share.
+# The operator's policy for this cluster, given at deploy time. Three nodes in the job: one
+# implicated node is no storm (the share rule needs two).
 POLICY = {
     "action": "replace",
     "auto_approve": True,
     "approval_timeout_s": 60,
-    "storm_node_share": 0.5,
     "task_retries": 1,
     "retry_delay_s": 0.0,
 }
@@ -290,10 +299,6 @@ def _run(
 ) -> None:
     suspect, _, _, spare_a, _ = nodes
     # The job starts (Kueue admitting it, or its owner, unsuspends it the same way).
-    import kubernetes.client as k8s
-
-    from recovery.kube import api_client_for_host
-
     client = api_client_for_host(fake.url, token="t")
     k8s.CustomObjectsApi(client).patch_namespaced_custom_object(
         "kubeflow.org", "v1", TRAINING_NS, "pytorchjobs", "user-run-2026-12-01",
@@ -372,6 +377,106 @@ def _check_json_logs(output: str, incident_id: str, suspect: str) -> None:
     assert any(str(r.get("flow_run_name", "")).endswith(incident_id) for r in records), records[:5]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_users_batch_job_is_found_stopped_and_resumed_from_s3_at_the_wire(
+    tmp_path: Path,
+    aws: LocalAws,
+    sqlite_database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stop and resume of the e2e above, for a batch/v1 Job (the e2e's job is a
+    PyTorchJob): the real backends built from settings find the Job by its label, stop it (its
+    pod's process ends, the pod is gone), and resume it from the s3:// checkpoint the job
+    uploaded: the user's new process gets its URI from the pod annotation through the downward
+    API (a Job's env is immutable), as the job's own manifest declares."""
+    create_demo_bucket(aws, BUCKET)
+    credentials = aws.session().get_credentials()
+    with contextlib.ExitStack() as stack:
+        fake = stack.enter_context(FakeKube())
+        fake.add_node("hyperpod-a", instance_id="a")
+        kubelet = FakeKubelet(fake, tmp_path, default_nodes=["hyperpod-a"],
+                              env={"PYTHONPATH": str(REPO)}).start()  # fmt: skip
+        stack.callback(kubelet.stop)
+        env = {
+            "SDCGUARD_CONTRACT": "strict",
+            "SDCGUARD_JOB_ID": JOB_ID,
+            # no webhook here: the sender spools and retries in the background
+            "SDCGUARD_WEBHOOK_URL": f"http://127.0.0.1:{free_port()}",
+            "SDCGUARD_WEBHOOK_SECRET": SECRET,
+            "SDCGUARD_CHECKPOINT_URI_PREFIX": f"s3://{BUCKET}/{JOB_ID}",
+            "TRAIN_STEPS": "100000",
+            "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+            "AWS_ENDPOINT_URL": aws.endpoint_url,
+            "AWS_ACCESS_KEY_ID": credentials.access_key,
+            "AWS_SECRET_ACCESS_KEY": credentials.secret_key,
+            "AWS_SESSION_TOKEN": credentials.token,
+            "AWS_DEFAULT_REGION": aws.region,
+        }  # fmt: skip
+        fake.add_job("user-batch-1", namespace=TRAINING_NS, containers=[{
+            "name": "train",
+            "image": "registry.example/user-train:3",
+            "command": ["python", str(SCRIPT)],
+            "env": [
+                {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                dict(RESUME_ENV_FROM_ANNOTATION),
+                *({"name": k, "value": v} for k, v in env.items()),
+            ],
+        }], suspend=True)  # fmt: skip
+        fake.mutate(
+            "/apis/batch/v1", "jobs", "user-batch-1",
+            lambda o: o["metadata"].setdefault("labels", {}).update({JOB_ID_LABEL: JOB_ID}),
+            namespace=TRAINING_NS,
+        )  # fmt: skip
+        # the job starts (Kueue admitting it, or its owner, unsuspends it)
+        k8s.BatchV1Api(api_client_for_host(fake.url, token="t")).patch_namespaced_job(
+            "user-batch-1", TRAINING_NS, {"spec": {"suspend": False}}
+        )
+        (first,) = kubelet.launched
+        process_of = kubelet._procs[(TRAINING_NS, first["metadata"]["name"])]
+        s3 = aws.client("s3")
+
+        def checkpoints() -> list[str]:
+            listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{JOB_ID}/ckpt-")
+            return sorted(o["Key"] for o in listed.get("Contents", []))
+
+        wait_for("the job uploads a checkpoint", lambda: bool(checkpoints()), 120, poll_s=0.2)
+        for key, value in {
+            "SDCGUARD_RECOVERY_MODE": "real",
+            "SDCGUARD_RECOVERY_CHECKPOINT_BUCKET": BUCKET,
+            "SDCGUARD_AWS_ENDPOINT_URL": aws.endpoint_url,
+            "SDCGUARD_AWS_REGION": aws.region,
+            "SDCGUARD_KUBE_NAMESPACE": TRAINING_NS,
+            "SDCGUARD_KUBE_STOP_TIMEOUT_S": "60",
+            "KUBECONFIG": str(_kubeconfig(tmp_path, fake.url)),
+        }.items():
+            monkeypatch.setenv(key, value)
+        backends = build_backends(database_url=sqlite_database_url, aws_session=aws.session())
+        job = backends.catalog.ref(JOB_ID)
+        assert (job.kind, job.name) == (JobKind.BATCH_JOB, "user-batch-1")
+
+        stopped = backends.jobs.stop(job)
+        assert stopped.outcome is StopOutcome.STOPPED, stopped
+        assert process_of.poll() is not None  # the user's process ended
+        assert fake.list_objects("/api/v1", "pods", namespace=TRAINING_NS) == []
+
+        key = checkpoints()[0]
+        uri = f"s3://{BUCKET}/{key}"
+        step = int(re.search(r"ckpt-0*(\d+)", key)[1])  # type: ignore[index]
+        resumed = backends.jobs.resume(job, uri, step, None)
+        assert resumed.outcome is ResumeOutcome.RESUMED, resumed
+        (_, second) = kubelet.launched
+        # what the kubelet gave the user's new process: the checkpoint, from the annotation
+        resumed_process = kubelet._procs[(TRAINING_NS, second["metadata"]["name"])]
+        environ = Path(f"/proc/{resumed_process.pid}/environ").read_bytes().split(b"\0")
+        assert f"{RESUME_ENV_FROM_ANNOTATION['name']}={uri}".encode() in environ
+        batch = [r for r in fake.requests if r.path.startswith("/apis/batch/v1")]
+        assert {r.method for r in batch} >= {"GET", "PATCH"}
+        cluster = rules_of("ClusterRole", "sdcguard-recovery")
+        namespaced = rules_of("Role", "sdcguard-recovery-telemetry")
+        assert denied(batch, cluster, namespaced) == []
+
+
 def _check_rbac(fake: FakeKube) -> None:
     """The recovery identity's Role allows every request the flow sent, and grants no verb
     beyond those this run used and the few it cannot reach here (named, with the reason)."""
@@ -384,9 +489,10 @@ def _check_rbac(fake: FakeKube) -> None:
     assert denied(flow_requests, cluster, namespaced) == []
     not_reached_here = {
         ("", "pods/eviction", "create"),  # drain of a node with pods under a budget
-        ("batch", "jobs/status", "patch"),  # resume of a batch/v1 Job (PyTorchJob here)
-        ("batch", "jobs", "get"),  # batch/v1 Job control reads the Job itself
-        ("batch", "jobs", "patch"),  # stop/resume of a batch/v1 Job
+        # batch/v1 Job control (the batch Job test checks these requests against the Role)
+        ("batch", "jobs/status", "patch"),
+        ("batch", "jobs", "get"),
+        ("batch", "jobs", "patch"),
         # dcgmi/nvidia-smi/dmesg run over the exec websocket, which the fake API cannot speak
         ("", "pods/exec", "create"),
         ("", "pods/exec", "get"),
