@@ -209,9 +209,9 @@ class KubeTelemetry:
     then. The pod runs its own ``nv-hostengine`` and is deleted after the three commands;
     ``activeDeadlineSeconds`` ends it even if the delete is lost.
 
-    The exec path cannot be tested without a real cluster (no fake API server speaks the
-    exec websocket), which is why it is kept to pod create / wait / exec / delete and all
-    parsing lives in the shared, tested code.
+    The exec path is kept to pod create / wait / exec / delete, and all parsing lives in the
+    shared code; it is tested at the wire against the fake API's exec websocket
+    (``v4.channel.k8s.io``, ``tests/recovery/telemetry/test_collector_exec.py``).
     """
 
     _COMMANDS: Final[Mapping[Tool, tuple[str, ...]]] = {

@@ -11,7 +11,8 @@ What it serves (``ThreadingHTTPServer`` on 127.0.0.1, a free port):
 
 - generic resources: GET item, GET list (``fieldSelector``: ``=``/``==``/``!=`` on dotted
   paths such as ``spec.nodeName``; ``labelSelector``: ``=``, ``!=``, ``in``, ``notin``,
-  exists, ``!``), POST create, PUT replace, PATCH, DELETE, and the ``status`` subresource —
+  exists, ``!``), watch (the matching objects as ``ADDED`` events, then the stream ends, as at
+  a ``timeoutSeconds``), POST create, PUT replace, PATCH, DELETE, and the ``status`` subresource —
   for nodes, pods, batch/v1 jobs and kubeflow.org/v1 pytorchjobs (``register`` adds more);
 - PATCH content types: ``application/merge-patch+json`` (RFC 7386),
   ``application/strategic-merge-patch+json`` (built-in kinds only; custom resources answer 415
@@ -23,6 +24,8 @@ What it serves (``ThreadingHTTPServer`` on 127.0.0.1, a free port):
 - ``POST /apis/authentication.k8s.io/v1/tokenreviews``: a token added with
   :meth:`FakeKube.add_token` is authenticated as its user, for its audiences (a review asking
   for another audience is refused, as the real server does); any other token is not;
+- ``GET /api/v1/namespaces/{ns}/pods/{name}/exec`` as a websocket (``v4.channel.k8s.io``,
+  :mod:`tests.recovery.fake_exec`), running the command :meth:`FakeKube.on_exec` gives;
 - ``POST /api/v1/namespaces/{ns}/pods/{name}/eviction``: a pod under a disruption budget
   (:meth:`FakeKube.block_eviction`) is refused with 429 ``TooManyRequests`` (cause
   ``DisruptionBudget``) as many times as configured; an allowed eviction removes the pod and
@@ -56,6 +59,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+from tests.recovery.fake_exec import ExecHandler, serve_exec
 
 __all__ = ["FakeKube", "FakeResponse", "RecordedRequest", "status_body"]
 
@@ -210,6 +215,7 @@ class FakeKube:
         self._requests: list[RecordedRequest] = []
         self._tokens: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._watchers: list[Callable[[str, str, JSON | None, JSON | None], None]] = []
+        self._exec: ExecHandler | None = None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.register("/api/v1", "nodes", "Node", namespaced=False)
@@ -336,6 +342,12 @@ class FakeKube:
         before the built-in routes: for endpoints this fake does not model (exec, logs, …)."""
         with self._lock:
             self._routes.append(_Route(method.upper(), re.compile(path_regex), handler))
+
+    def on_exec(self, run: ExecHandler) -> None:
+        """Run exec requests with ``run(namespace, pod, command) -> ExecResult``: what the
+        fake container prints for a command (see :mod:`tests.recovery.fake_exec`)."""
+        with self._lock:
+            self._exec = run
 
     def watch(self, fn: Callable[[str, str, JSON | None, JSON | None], None]) -> None:
         """Call ``fn(verb, plural, old, new)`` after every create/update/delete through the API
@@ -648,7 +660,10 @@ class FakeKube:
         method = request.method
         if name is None:
             if method == "GET":
-                return FakeResponse(200, self._list(resource, namespace, request.query))
+                listed = self._list(resource, namespace, request.query)
+                if (request.query.get("watch") or [""])[0].lower() in ("true", "1"):
+                    return _watch_answer(listed)
+                return FakeResponse(200, listed)
             if method == "POST":
                 created = copy.deepcopy(self._create(resource, namespace, request.body))
                 self._notify("create", resource.plural, None, created)
@@ -880,6 +895,9 @@ class FakeKube:
         return f"{resource.prefix}/{resource.plural}"
 
 
+_EXEC_PATH = re.compile(r"/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<pod>[^/]+)/exec")
+
+
 class _Handler(BaseHTTPRequestHandler):
     fake: FakeKube
     protocol_version = "HTTP/1.1"
@@ -889,6 +907,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _serve(self) -> None:
         parts = urlsplit(self.path)
+        if (self.headers.get("Upgrade") or "").lower() == "websocket":
+            self._serve_websocket(parts.path, parse_qs(parts.query))
+            return
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         body: Any = None
@@ -924,11 +945,52 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(payload)
 
+    def _serve_websocket(self, path: str, query: Mapping[str, list[str]]) -> None:
+        """The exec subresource: recorded like any request, 404 for a pod that is not there."""
+        request = RecordedRequest(
+            method=self.command,
+            path=path,
+            query=query,
+            content_type=None,
+            body=None,
+            headers={k.lower(): v for k, v in self.headers.items()},
+        )
+        match = _EXEC_PATH.fullmatch(path)
+        with self.fake._lock:
+            self.fake._requests.append(request)
+            pod = (
+                self.fake._objects.get(("/api/v1/pods", match["ns"], match["pod"]))
+                if match
+                else None
+            )
+            run = self.fake._exec
+        if match is None or pod is None:
+            payload = json.dumps(status_body(404, f"not found: {path}")).encode()
+            self.send_response(404, "Not Found")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+            return
+        self.wfile.flush()
+        serve_exec(
+            self.connection, self.path, list(self.headers.items()),
+            match["ns"], match["pod"], query.get("command", []), run,
+        )  # fmt: skip
+        self.close_connection = True
+
     do_GET = _serve
     do_POST = _serve
     do_PUT = _serve
     do_PATCH = _serve
     do_DELETE = _serve
+
+
+def _watch_answer(listed: JSON) -> FakeResponse:
+    """A watch as a stream that ends at once: one ``ADDED`` event per object that matches now
+    (what a real server sends first), then the end a server's ``timeoutSeconds`` gives."""
+    events = [json.dumps({"type": "ADDED", "object": item}) for item in listed["items"]]
+    return FakeResponse(200, "".join(f"{e}\n" for e in events).encode())
 
 
 # -- patch semantics ---------------------------------------------------------------------
