@@ -22,14 +22,16 @@ What runs where, per step:
   all-reduce (and, on audited gradient steps, fingerprints the local bucket);
 * forward pre-hook (on the module the loop calls, outside any compiled region) — seeds the
   micro-batch's RNG and captures the autocast state and, on audited steps, the buffers;
-* end of the step's last ``guard.backward`` — the per-step layer's verdict
-  (:mod:`detection.stepcheck`, one small all-gather) before any optimizer updates a weight;
+* end of the step's last ``guard.backward`` — the per-step layer's row
+  (:mod:`detection.stepcheck`; with ``skip_update_on_alarm`` its verdict, from one small
+  all-gather, before any optimizer updates a weight);
   then, on audited steps, the partner's micro-batch is recomputed on the module without DDP
   (:mod:`detection.audit`), weights still as they were before any optimizer updates them;
   shipped batches arrive first (:mod:`detection.batches`);
 * ``optimizer.step`` post-hook — injected weight / optimizer-state faults (tests and demos);
 * leaving ``guard.step`` — the weight fingerprint (and, if configured, the optimizer state's);
-  then one all-gather of a small int64 row per rank and one host synchronisation, from which
+  then one all-gather of a small int64 row per rank (the per-step layer's row carried in it)
+  and one host synchronisation, from which
   every rank reaches the same decision (:mod:`detection.decision`): at most one
   :class:`~detection.alarm.Alarm` per step, reported once per job by the lowest non-suspect rank.
 
@@ -70,6 +72,7 @@ from detection.audit import (
 from detection.buffercheck import BufferWatch
 from detection.calibration import GuardCounters, NotReplayableError
 from detection.decision import (
+    ROW,
     STEP,
     StepDecision,
     any_nonfinite,
@@ -96,7 +99,7 @@ from detection.replay import AutocastState, unwrap_ddp
 from detection.replay_mode import ReplayMode
 from detection.stepcheck import StepChecks
 from detection.vote import (
-    all_gather_rows,
+    all_gather_table,
     optimizer_state_tensors,
     persistent_buffers,
     verify_after_load,
@@ -589,7 +592,15 @@ class SDCGuard:
             ),
             buffers=self.buffers.row(),
         )
-        rows = all_gather_rows(row, self.group)
+        # The per-step layer's row rides along (its float64 bits as int64 words), unless it
+        # had to decide before the update: one collective, one host synchronisation per step.
+        carried = self.checks.carried_row()
+        if carried is not None:
+            row = torch.cat([row, carried])
+        table = all_gather_table(row, self.group)
+        rows: list[list[int]] = table[:, :ROW].tolist()
+        if carried is not None:
+            self.checks.decide_carried(table[:, ROW:])
         if current.self_replays is not None:
             check_calibration(
                 current.step,
