@@ -154,7 +154,8 @@ class LocalGradStats:
     def row(self) -> torch.Tensor:
         """``[n_buckets, (sum, l2, amax, reduced sum) per bucket in index order]`` (float64)."""
         keys = sorted(self._local)
-        parts = [torch.tensor([float(len(keys))], dtype=torch.float64, device=self.device)]
+        # a fill, not torch.tensor([...]): no host-to-device copy (a synchronisation on CUDA)
+        parts = [torch.full((1,), float(len(keys)), dtype=torch.float64, device=self.device)]
         for key in keys:
             parts.append(self._local[key].to(self.device))
             reduced = self._reduced.get(key)

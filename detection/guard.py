@@ -22,14 +22,16 @@ What runs where, per step:
   all-reduce (and, on audited gradient steps, fingerprints the local bucket);
 * forward pre-hook (on the module the loop calls, outside any compiled region) — seeds the
   micro-batch's RNG and captures the autocast state and, on audited steps, the buffers;
-* end of the step's last ``guard.backward`` — the per-step layer's verdict
-  (:mod:`detection.stepcheck`, one small all-gather) before any optimizer updates a weight;
+* end of the step's last ``guard.backward`` — the per-step layer's row
+  (:mod:`detection.stepcheck`; with ``skip_update_on_alarm`` its verdict, from one small
+  all-gather, before any optimizer updates a weight);
   then, on audited steps, the partner's micro-batch is recomputed on the module without DDP
   (:mod:`detection.audit`), weights still as they were before any optimizer updates them;
   shipped batches arrive first (:mod:`detection.batches`);
 * ``optimizer.step`` post-hook — injected weight / optimizer-state faults (tests and demos);
 * leaving ``guard.step`` — the weight fingerprint (and, if configured, the optimizer state's);
-  then one all-gather of a small int64 row per rank and one host synchronisation, from which
+  then one all-gather of a small int64 row per rank (the per-step layer's row carried in it)
+  and one host synchronisation, from which
   every rank reaches the same decision (:mod:`detection.decision`): at most one
   :class:`~detection.alarm.Alarm` per step, reported once per job by the lowest non-suspect rank.
 
@@ -51,7 +53,6 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,21 +69,12 @@ from detection.audit import (
     seed_rng,
     step_seed,
 )
-from detection.batches import exchange_batches
 from detection.buffercheck import BufferWatch
-from detection.calibration import (
-    GuardCounters,
-    NotReplayableError,
-    calibration_causes,
-    check_agreement,
-    replay_environment,
-)
+from detection.calibration import GuardCounters, NotReplayableError
 from detection.decision import (
-    OWN,
-    REPLAY,
+    ROW,
     STEP,
     StepDecision,
-    all_finite,
     any_nonfinite,
     flags_word,
     step_row,
@@ -90,6 +82,9 @@ from detection.decision import (
 from detection.faults import FaultInjector, FaultSpec
 from detection.fingerprint import Fingerprint, FingerprintPlan, fingerprint_on_device
 from detection.gate import CheckpointGate, StepOutcome
+from detection.guard_audit import AuditWiring
+from detection.guard_audit import StepState as _Step
+from detection.guard_calibration import agree_at_start, check_calibration
 from detection.guard_config import (
     AlarmSink,
     GuardConfig,
@@ -99,17 +94,12 @@ from detection.guard_config import (
     GuardUsageError,
     Identity,
 )
-from detection.nonfinite import (
-    CheckedCommHook,
-    CommHook,
-    NonFiniteVerdict,
-)
-from detection.overflow import recompute_flagged
+from detection.nonfinite import CheckedCommHook, CommHook
 from detection.replay import AutocastState, unwrap_ddp
 from detection.replay_mode import ReplayMode
 from detection.stepcheck import StepChecks
 from detection.vote import (
-    all_gather_rows,
+    all_gather_table,
     optimizer_state_tensors,
     persistent_buffers,
     verify_after_load,
@@ -129,24 +119,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Step:
-    step: int
-    audit: bool
-    loss_micro: int = 0  # the micro-batch whose loss the row carries (the audited one)
-    micro: int = 0  # backward calls so far
-    loss: torch.Tensor | None = None
-    replay: torch.Tensor | None = None
-    self_replays: torch.Tensor | None = None  # calibration: own micro-batch replayed twice
-    forwards: set[int] = field(default_factory=set)  # micro-batches whose forward started
-    autocast: dict[int, AutocastState] = field(default_factory=dict)
-    batches: dict[int, Any] = field(default_factory=dict)  # own, when the loop passes batch=
-    shipped: dict[int, Any] | None = None  # the partner's, received on audited steps
-    scale: torch.Tensor | None = None  # the GradScaler scale of this step's backward
-    mean_loss: torch.Tensor | None = None  # Σ of the micro-batches' losses / micro_batches
-    stepped: set[int] = field(default_factory=set)  # id() of the optimizers that stepped
 
 
 class SDCGuard:
@@ -294,6 +266,20 @@ class SDCGuard:
             micro_batches=self.micro_batches,
             on_seed=self._set_replay_seed,
         )
+        self.audit = AuditWiring(
+            self.replay,
+            config=self.config,
+            hook=self.hook,
+            counters=self.counters,
+            partners=self.partners,
+            auditors=self.auditors,
+            rank=self.rank,
+            world_size=self.world_size,
+            microbatch=microbatch,
+            positions=self._bucketed,
+            device=self.device,
+            group=self.group,
+        )
         self._handles = [
             hooked.register_forward_pre_hook(self._before_forward),
             hooked.register_forward_hook(self._after_forward),
@@ -315,22 +301,18 @@ class SDCGuard:
 
     # -- set-up ------------------------------------------------------------------------------------
     def _agree(self, identity: Identity | None) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
-        """Gather every rank's node, identity, replay environment and config once; refuse to
-        start when they disagree: bitwise replay needs the same hardware model, builds,
-        kernel flags and intra-op thread count, and an identical guard configuration."""
         if identity is not None:
             ident = dict(identity.to_dict())
         else:
             ident = {"rank": self.rank, "local_rank": self.rank, "node": self.node}
-        mine = (self.node, replay_environment(self.device), repr(self.config), ident)
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        problems = check_agreement([env for _, env, _, _ in everyone])
-        if problems:
-            raise GuardConfigError("; ".join(problems))
-        if len({c for _, _, c, _ in everyone}) > 1:
-            raise GuardConfigError("ranks were given different GuardConfig values")
-        return tuple(n for n, _, _, _ in everyone), [i for _, _, _, i in everyone]
+        return agree_at_start(
+            node=self.node,
+            ident=ident,
+            config=self.config,
+            device=self.device,
+            world_size=self.world_size,
+            group=self.group,
+        )
 
     def _step_checks(self, default_reduction: bool) -> StepChecks:
         compiled = self.compiled_outer or isinstance(
@@ -571,69 +553,8 @@ class SDCGuard:
         from the loss averaged over the step's micro-batches and the scale of its backward."""
         self.checks.before_update(current.step, current.mean_loss, current.scale)
 
-    def _micros(self, current: _Step) -> list[int]:
-        if self.config.mode is AuditMode.LOSS:
-            return [current.loss_micro]
-        return list(range(self.micro_batches))
-
     def _run_audit(self, current: _Step) -> None:
-        if not current.audit or current.replay is not None:
-            return
-        if not current.forwards:
-            raise GuardUsageError(
-                "no forward pass of the model the guard was given inside this guarded step: "
-                "call the model you passed to SDCGuard (or its compiled form)"
-            )
-        micros = self._micros(current)
-        if self.microbatch is None:
-            auditor = self.auditors[self.rank]
-            mine = [current.batches[m] for m in micros]
-            received = exchange_batches({auditor: mine}, device=self.device, group=self.group)
-            self.counters.batches_shipped += len(mine)
-            got = received[self.partners[self.rank]]
-            current.shipped = dict(zip(micros, got, strict=True))
-        partition = self.hook.partition()
-        if not self.armed:
-            # Calibration: the rank replays its own micro-batch twice as well, so a loop that
-            # cannot be replayed is told apart from a rank that computes wrong.
-            partner = self.replay.partner
-            try:
-                self.replay.partner = self.rank
-                runs = [
-                    self._replay_row(current, partition, micros, own_batches=True, keep=True)
-                    for _ in range(2)
-                ]
-            finally:
-                self.replay.partner = partner
-            current.self_replays = torch.cat(runs)
-        current.replay = self._replay_row(current, partition, micros, own_batches=False)
-
-    def _replay_row(
-        self,
-        current: _Step,
-        partition: Sequence[Sequence[int]],
-        micros: Sequence[int],
-        *,
-        own_batches: bool,
-        keep: bool = False,
-    ) -> torch.Tensor:
-        """One replay's row; ``keep``: leave the buffer snapshot for another replay."""
-        batches = current.batches if own_batches else current.shipped
-        if own_batches and self.microbatch is not None:
-            batches = None
-        snapshot = self.replay.buffers.duplicate() if keep else None
-        row = self.replay.run(
-            current.step,
-            partition,
-            micros=micros,
-            loss_micro=current.loss_micro,
-            batches=batches,
-            autocast=current.autocast,
-            scale=current.scale,
-        )
-        if snapshot is not None:
-            self.replay.buffers.restore(snapshot)
-        return row
+        self.audit.run(current, armed=self.armed)
 
     # -- the decision ------------------------------------------------------------------------------
     def _finish(self, current: _Step) -> None:
@@ -671,9 +592,26 @@ class SDCGuard:
             ),
             buffers=self.buffers.row(),
         )
-        rows = all_gather_rows(row, self.group)
+        # The per-step layer's row rides along (its float64 bits as int64 words), unless it
+        # had to decide before the update: one collective, one host synchronisation per step.
+        carried = self.checks.carried_row()
+        if carried is not None:
+            row = torch.cat([row, carried])
+        table = all_gather_table(row, self.group)
+        rows: list[list[int]] = table[:, :ROW].tolist()
+        if carried is not None:
+            self.checks.decide_carried(table[:, ROW:])
         if current.self_replays is not None:
-            self._check_calibration(current, rows)
+            check_calibration(
+                current.step,
+                current.self_replays,
+                rows,
+                partners=self.partners,
+                config=self.config,
+                counters=self.counters,
+                group=self.group,
+                extra=self._extra,
+            )
         self._decide(current, rows)
 
     def _decide(self, current: _Step, rows: Sequence[Sequence[int]]) -> None:
@@ -690,7 +628,7 @@ class SDCGuard:
             rows,
             audit=current.audit,
             rank=self.rank,
-            account_for_scaler=lambda nonfinite: self._account_for_scaler(current, nonfinite),
+            account_for_scaler=lambda nonfinite: self.audit.account_for_scaler(current, nonfinite),
         )
         self.last_outcome = decision.outcome
         self._tally(current, decision.audit_passed, decision.inconclusive)
@@ -709,76 +647,6 @@ class SDCGuard:
             c.audits += 1
             c.audits_passed += int(audit_passed)
             c.audits_inconclusive += int(inconclusive)
-
-    def _check_calibration(self, current: _Step, rows: Sequence[Sequence[int]]) -> None:
-        """Collective, on calibration audits: every rank's two self-replays against its own
-        result; a loop that does not reproduce itself — or ranks that disagree although each
-        does — refuses to arm (:class:`NotReplayableError`, the same on every rank)."""
-        assert current.self_replays is not None
-        selves = all_gather_rows(current.self_replays, self.group)
-        if not all_finite(rows):
-            return  # non-finite values prove nothing either way: not a clean audit
-        causes = calibration_causes(
-            current.step,
-            self.partners,
-            [r[OWN] for r in rows],
-            [r[REPLAY] for r in rows],
-            selves,
-            mode=str(self.config.mode),
-        )
-        if causes:
-            raise NotReplayableError(
-                f"the audit refuses to arm after {self.counters.calibration_audits} clean "
-                f"calibration audit(s) of {self.config.calibrate}: " + " | ".join(causes)
-            )
-        self.counters.calibration_audits += 1
-        if self.armed:
-            _log.info(
-                "sdcguard armed after %d clean audits", self.config.calibrate, extra=self._extra
-            )
-
-    def _account_for_scaler(
-        self, current: _Step, nonfinite: NonFiniteVerdict | None
-    ) -> tuple[NonFiniteVerdict | None, dict[str, Any], bool]:
-        """Under a GradScaler a non-finite local gradient is normally an overflow the scaler
-        handles (it skips the step and lowers the scale), not SDC. On every rank it is taken as
-        one; on some ranks only, each such rank's micro-batches are recomputed by its auditor
-        at the same scale (collective): non-finite there too is an overflow, finite is SDC and
-        stays a finding naming the rank."""
-        if current.scale is None or nonfinite is None or not nonfinite.pre_ranks:
-            return nonfinite, {}, False
-        flagged = list(nonfinite.pre_ranks)
-        if len(flagged) == self.world_size:
-            self.counters.overflow_steps += 1
-            return None, {}, True
-        finite = self._recompute_flagged(current, flagged)
-        self.counters.overflow_resolutions += 1
-        sdc = tuple(r for r in flagged if finite[r])
-        if not sdc:
-            self.counters.overflow_steps += 1
-            return None, {}, True
-        detail = {
-            "scaler": "recomputed at the same scale on the auditor: finite, so not an overflow",
-            "recomputed_by": {str(r): self.auditors[r] for r in sdc},
-        }
-        return NonFiniteVerdict(nonfinite.phase, sdc, sdc, nonfinite.post_ranks), detail, False
-
-    def _recompute_flagged(self, current: _Step, flagged: Sequence[int]) -> list[int]:
-        """``finite[r]`` for each flagged rank ``r``, as recomputed by ``r``'s auditor."""
-        finite, shipped = recompute_flagged(
-            self.replay,
-            flagged,
-            step=current.step,
-            partners=self.partners,
-            micros=list(range(self.micro_batches)),
-            own_batches=current.batches if self.microbatch is None else None,
-            positions=self._bucketed,
-            autocast=current.autocast,
-            scale=current.scale,
-            group=self.group,
-        )
-        self.counters.batches_shipped += shipped
-        return finite
 
     def _raise(self, alarm: Alarm) -> None:
         self.alarms.append(alarm)

@@ -175,14 +175,14 @@ class CheckedCommHook:
         return self._inner(self._inner_state, bucket).then(after)
 
     def flags(self) -> torch.Tensor:
-        """``[pre_bad, post_bad]`` as int64 on the device, without a host synchronisation."""
-        return torch.stack([self._fold(self._pre), self._fold(self._post)])
-
-    def _fold(self, sums: dict[int, torch.Tensor]) -> torch.Tensor:
-        if not sums:
-            return torch.zeros((), dtype=torch.int64, device=self._device)
-        total = torch.stack([s.to(torch.float64) for s in sums.values()]).sum()
-        return (~torch.isfinite(total)).to(torch.int64)
+        """``[pre_bad, post_bad]`` as int64 on the device, without a host synchronisation: one
+        stack of every bucket's sum, one finiteness test (a bucket's sum is non-finite exactly
+        when one of its elements is NaN/Inf, or the float32 sum overflowed)."""
+        pre, post = list(self._pre.values()), list(self._post.values())
+        if not pre and not post:
+            return torch.zeros(2, dtype=torch.int64, device=self._device)
+        bad = ~torch.isfinite(torch.stack([s.to(torch.float64) for s in (*pre, *post)]))
+        return torch.stack([bad[: len(pre)].any(), bad[len(pre) :].any()]).to(torch.int64)
 
     def gradient_fingerprint(self) -> torch.Tensor:
         """Σ over buckets of the local-gradient fingerprints (wrapping int64), on the device."""

@@ -12,10 +12,13 @@ pre-hook — before the weights change:
 * :mod:`detection.optstate` — a non-finite optimizer state after the update (``optstate``),
   carried in the guard's own per-step row.
 
-Everything before the all-gather stays on the device; the layer adds one small all-gather
-(float64, a few numbers per bucket and rank) and one host synchronisation, at the end of the
-step's last (synchronised) backward — before any optimizer, handed to the guard or not, can
-update a weight. The comm hook runs only on that backward, on the buckets DDP reduces: with
+Everything before the all-gather stays on the device. The layer's row (float64, a few numbers
+per bucket and rank) is built at the end of the step's last (synchronised) backward; by default
+it travels, its bits carried exactly as int64 words, in the guard's one all-gather at the end of
+the step (:meth:`StepChecks.carried_row`), and is decided there, naming the same step. With
+``skip_update_on_alarm`` it is gathered at once instead (one more small all-gather and host
+synchronisation) and decided before any optimizer, handed to the guard or not, can update a
+weight. The comm hook runs only on that backward, on the buckets DDP reduces: with
 gradient accumulation the statistics are those of the accumulated gradient, never of a
 ``no_sync`` micro-batch alone. Every rank decides from the same gathered table, so with
 ``skip_update_on_alarm`` every rank skips the same step: the gradients are dropped
@@ -119,6 +122,7 @@ class StepChecks:
         self._state = OptimizerStateCheck()
         self._extra = extra
         self._decided = True
+        self._carried: tuple[torch.Tensor, int] | None = None
         self._pending: list[StepCheckFinding] = []
         self.skipped_steps: list[int] = []
         self.tested_steps = 0  # steps whose statistics were finite and tested
@@ -149,6 +153,7 @@ class StepChecks:
     def begin_step(self) -> None:
         self.stats.clear()
         self._pending = []
+        self._carried = None
         self._decided = not self.enabled
         if self.abft is not None:
             self.abft.open()
@@ -171,25 +176,16 @@ class StepChecks:
         self._decided = True
         if self.abft is not None:
             self.abft.close()
-        loss_value = (
-            loss.detach().reshape(-1)[:1].to(torch.float64).to(self.device)
-            if loss is not None
-            else torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
-        )
-        ratios = (
-            self.abft.ratios()
-            if self.abft is not None
-            else torch.zeros(0, dtype=torch.float64, device=self.device)
-        )
-        head = torch.tensor([float(step)], dtype=torch.float64, device=self.device)
-        stats = self.stats.row()
-        if scale is not None:  # per bucket (sum, l2, amax, reduced sum) / scale; count kept
-            divisor = scale.detach().reshape(1).to(self.device, torch.float64)
-            stats = torch.cat([stats[:1], stats[1:] / divisor])
-        row = torch.cat([head, loss_value, ratios, stats])
+        row, n_ratios = self._row(step, loss, scale)
+        if not self.skip_update:
+            # Nothing acts on the verdict before the step's end: it travels in the guard's own
+            # all-gather there (:meth:`carried_row`), one collective and one host
+            # synchronisation per step for both.
+            self._carried = (row, n_ratios)
+            return
         rows = all_gather_rows(row, self.group)
-        self._pending = self._decide(rows, ratios.numel())
-        if self._pending and self.skip_update:
+        self._pending = self._decide(rows, n_ratios)
+        if self._pending:
             self._drop_update(scaled=scale is not None)
             self.skipped_steps.append(step)
             _log.warning(
@@ -198,6 +194,46 @@ class StepChecks:
                 ", ".join(str(f.layer) for f in self._pending),
                 extra={**self._extra, "step": step},
             )
+
+    def _row(
+        self, step: int, loss: torch.Tensor | None, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, int]:
+        """This rank's float64 row (step, loss, ABFT ratios, bucket statistics) on the device,
+        and the number of ABFT ratios in it."""
+        loss_value = (
+            loss.detach().reshape(-1)[:1].to(device=self.device, dtype=torch.float64)
+            if loss is not None
+            else torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
+        )
+        ratios = (
+            self.abft.ratios()
+            if self.abft is not None
+            else torch.zeros(0, dtype=torch.float64, device=self.device)
+        )
+        head = torch.full((1,), float(step), dtype=torch.float64, device=self.device)
+        stats = self.stats.row()
+        if scale is not None:  # per bucket (sum, l2, amax, reduced sum) / scale; count kept
+            divisor = scale.detach().reshape(1).to(self.device, torch.float64)
+            stats = torch.cat([stats[:1], stats[1:] / divisor])
+        return torch.cat([head, loss_value, ratios, stats]), ratios.numel()
+
+    def carried_row(self) -> torch.Tensor | None:
+        """The step's row for the guard to carry in its all-gather, as int64 words (the float64
+        bits, exactly), or ``None`` when the verdict was reached before the update (or the
+        layer is off). The guard hands the gathered words back to :meth:`decide_carried`."""
+        if self._carried is None:
+            return None
+        return self._carried[0].view(torch.int64)
+
+    def decide_carried(self, rows: torch.Tensor) -> None:
+        """The verdict from every rank's carried row (a host ``(world, n)`` int64 table of
+        :meth:`carried_row` words): the same on every rank, as every rank holds the table."""
+        if self._carried is None:
+            return
+        n_ratios = self._carried[1]
+        self._carried = None
+        table: list[list[float]] = rows.contiguous().view(torch.float64).tolist()
+        self._pending = self._decide(table, n_ratios)
 
     def _drop_update(self, *, scaled: bool) -> None:
         """Make every optimizer leave weights and state as they are, the same on every rank."""

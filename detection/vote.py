@@ -24,6 +24,7 @@ __all__ = [
     "LoadVerificationError",
     "VoteVerdict",
     "all_gather_rows",
+    "all_gather_table",
     "majority_vote",
     "model_state_tensors",
     "optimizer_state_tensors",
@@ -137,14 +138,21 @@ def to_fingerprint(a: int, b: int) -> Fingerprint:
     return Fingerprint(a & _MASK, b & _MASK)
 
 
+def all_gather_table(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-gather one 1-D row per rank into a ``(world, n)`` table on the host: one collective
+    and one host synchronisation (the single device-to-host copy)."""
+    world = dist.get_world_size(group)
+    row = row.contiguous()
+    flat = torch.empty(world * row.numel(), dtype=row.dtype, device=row.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(flat, row, group=group)
+    return flat.view(world, row.numel()).cpu()
+
+
 def all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -> list[list[int]]:
     """All-gather one 1-D int64 row per rank and bring the table to the host: one collective
     and one host synchronisation."""
-    world = dist.get_world_size(group)
-    flat = torch.empty(world * row.numel(), dtype=row.dtype, device=row.device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(flat, row.contiguous(), group=group)
-    rows: list[list[int]] = flat.view(world, row.numel()).tolist()
+    rows: list[list[int]] = all_gather_table(row, group).tolist()
     return rows
 
 
