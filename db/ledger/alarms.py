@@ -173,7 +173,7 @@ class AlarmsMixin(LedgerBase):
         self._lock_jobs(s, jobs)
         stored.update(_stored_alarm_incidents(s, list(fresh), batch))
         incidents = _active_incidents(s, jobs)
-        job_nodes = _job_nodes(s, jobs)
+        job_nodes = _job_nodes(s, jobs, list(fresh.values()))
         now = self._clock()
         outcomes: list[AlarmOutcome] = []
         growth: dict[str, _Growth] = {}
@@ -372,15 +372,26 @@ def _stored_alarm_incidents(
     return result
 
 
-def _job_nodes(s: Session, job_ids: Sequence[str]) -> dict[str, set[str]]:
-    """The nodes each job's rank map holds; a job with no registered ranks is absent."""
+def _job_nodes(s: Session, job_ids: Sequence[str], batch: Sequence[AlarmIn]) -> dict[str, set[str]]:
+    """Of the nodes ``batch`` names, those each job's rank map holds; a job with no registered
+    ranks is absent. Only the named nodes are asked for: a storm's batch names a few dozen,
+    while the rank map of a big job holds hundreds, and every batch would read them all."""
+    named = sorted({str(n) for a in batch for n in [*a.suspect_nodes, a.node]})
     result: dict[str, set[str]] = {}
     for chunk in _chunks(list(job_ids)):
-        rows = s.execute(
-            select(RankRow.job_id, RankRow.node).where(RankRow.job_id.in_(chunk)).distinct()
+        has_ranks = exists().where(RankRow.job_id == JobRow.id)
+        result.update(
+            (job, set())
+            for job in s.scalars(select(JobRow.id).where(JobRow.id.in_(chunk), has_ranks))
         )
-        for job_id, node in rows:
-            result.setdefault(job_id, set()).add(node)
+        for nodes in _chunks(named):
+            rows = s.execute(
+                select(RankRow.job_id, RankRow.node)
+                .where(RankRow.job_id.in_(chunk), RankRow.node.in_(nodes))
+                .distinct()
+            )
+            for job_id, node in rows:
+                result[job_id].add(node)
     return result
 
 

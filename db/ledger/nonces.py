@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete
+from sqlalchemy import bindparam, delete
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -74,18 +74,20 @@ def claim_in(
     wanted = sorted(first)  # one lock order for every claimer
     cutoff = now - keep
     dialect = s.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    base = insert(RequestNonceRow)
+    # One statement text for every batch (the cutoff is a parameter, the rows an executemany
+    # that SQLAlchemy sends as multi-row VALUES): compiled once, not once per batch size.
+    stmt = base.on_conflict_do_update(
+        index_elements=[RequestNonceRow.nonce],
+        set_={"key_id": base.excluded.key_id, "seen_at": base.excluded.seen_at},
+        where=RequestNonceRow.seen_at < bindparam("cutoff", type_=RequestNonceRow.seen_at.type),
+    ).returning(RequestNonceRow.nonce)
     won: set[str] = set()
     for start in range(0, len(wanted), _ROWS_PER_STATEMENT):
         chunk = wanted[start : start + _ROWS_PER_STATEMENT]
-        rows = [{"nonce": n, "key_id": first[n], "seen_at": now} for n in chunk]
-        insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-        stmt = insert(RequestNonceRow).values(rows)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[RequestNonceRow.nonce],
-            set_={"key_id": stmt.excluded.key_id, "seen_at": stmt.excluded.seen_at},
-            where=RequestNonceRow.seen_at < cutoff,  # the stored row: taken over once expired
-        )
-        won.update(s.scalars(stmt.returning(RequestNonceRow.nonce)))
+        rows = [{"nonce": n, "key_id": first[n], "seen_at": now, "cutoff": cutoff} for n in chunk]
+        won.update(s.scalars(stmt, rows))
     result: list[bool] = []
     for nonce, _ in claims:
         result.append(nonce in won)
