@@ -9,7 +9,10 @@ SQLite file (``--backend``). Every nonce goes through the replay store (on Postg
 ``GET /v1/incidents`` without pause (bounded: one request in flight per reader): reads have
 their own threads and pool, so the burst time should stay within 1.5x of the burst alone.
 Measured: time until every alarm is recorded (every 202 is a committed transaction), alarms/s,
-request latency, and a check that the ledger holds 4,096 alarms in one incident.
+request latency, and a check that the ledger holds 4,096 alarms in one incident. Beside the wall
+time, the CPU seconds the burst cost: of the server process, of its PostgreSQL backends, and of
+the client. On a shared machine the wall time follows the load; the CPU seconds much less so,
+and the server's are its floor (one process, one event loop).
 
 For contrast, the same load is run spread over 64 jobs (one per client), where alarms do not
 contend for one incident; smaller bursts show how the cost grows with the incident's size; and
@@ -71,6 +74,7 @@ class Result:
     latencies_s: list[float]
     incidents: int | None
     recorded: int | None
+    cpu: _Cpu
 
     @property
     def rate(self) -> float:
@@ -83,8 +87,31 @@ class Result:
         return (
             f"{self.name:<58} {self.alarms:>6} {self.clients:>7} {self.wall_s:>9.2f} "
             f"{self.rate:>9.0f} {p50:>8.1f} {p99:>8.1f} "
-            f"{_shown(self.recorded):>8} {_shown(self.incidents):>9}"
+            f"{_shown(self.recorded):>8} {_shown(self.incidents):>9} "
+            f"{self.cpu.server_s:>7.2f} {_shown_s(self.cpu.db_s):>7} {self.cpu.client_s:>7.2f}"
         )
+
+
+@dataclass(frozen=True)
+class _Cpu:
+    """CPU seconds (user + system) one burst cost, per process group."""
+
+    server_s: float
+    db_s: float | None
+    client_s: float
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (all its threads); 0 for one that is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _shown_s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _shown(value: int | None) -> str:
@@ -93,7 +120,8 @@ def _shown(value: int | None) -> str:
 
 HEADER = (
     f"{'scenario':<58} {'alarms':>6} {'clients':>7} {'wall s':>9} {'alarms/s':>9} "
-    f"{'p50 ms':>8} {'p99 ms':>8} {'recorded':>8} {'incidents':>9}"
+    f"{'p50 ms':>8} {'p99 ms':>8} {'recorded':>8} {'incidents':>9} "
+    f"{'srv cpu':>7} {'db cpu':>7} {'cli cpu':>7}"
 )
 
 
@@ -137,6 +165,22 @@ class _Database:
             engine.dispose()
         return int(alarms), int(incidents)
 
+    def backend_pids(self) -> set[int]:
+        """The server processes of this database's connections (the webhook's pool)."""
+        engine = sa.create_engine(self.admin)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(
+                    sa.text(
+                        "SELECT pid FROM pg_stat_activity "
+                        "WHERE datname = :name AND pid <> pg_backend_pid()"
+                    ),
+                    {"name": self.name},
+                )
+                return {int(pid) for (pid,) in rows}
+        finally:
+            engine.dispose()
+
     def truncate(self) -> None:
         engine = sa.create_engine(self.url)
         try:
@@ -176,6 +220,10 @@ class _SqliteFile:
 
     def truncate(self) -> None:
         """Nothing to do: every SQLite row of the table runs on a file of its own."""
+
+    def backend_pids(self) -> set[int]:
+        """None: SQLite runs inside the server process."""
+        return set()
 
 
 class _Server:
@@ -353,6 +401,10 @@ def run_burst(
 
     reads: list[int] = []
     wall = 0.0
+    assert server.proc is not None
+    db_before = {} if database is None else _cpu_of(database.backend_pids())
+    server_before = _process_cpu_s(server.proc.pid)
+    client_before = time.process_time()
 
     async def burst() -> None:
         nonlocal wall
@@ -372,6 +424,13 @@ def run_burst(
         await asyncio.gather(*flood)
 
     asyncio.run(burst())
+    client_s = time.process_time() - client_before
+    server_s = _process_cpu_s(server.proc.pid) - server_before
+    db_s: float | None = None
+    if isinstance(database, _Database):
+        db_after = _cpu_of(database.backend_pids() | set(db_before))
+        db_s = sum(db_after[pid] - db_before.get(pid, 0.0) for pid in db_after)
+    cpu = _Cpu(server_s, db_s, client_s)
     bad = [s for s in statuses if s != 202]
     if bad:
         raise RuntimeError(f"{len(bad)} alarms refused, statuses {sorted(set(bad))}")
@@ -380,9 +439,13 @@ def run_burst(
         if any(r != 200 for r in reads):
             raise RuntimeError(f"reads refused, statuses {sorted(set(reads))}")
     if database is None:
-        return Result(name, alarms, clients, wall, latencies, None, None)
+        return Result(name, alarms, clients, wall, latencies, None, None, cpu)
     recorded, incidents = database.counts()
-    return Result(name, alarms, clients, wall, latencies, incidents, recorded)
+    return Result(name, alarms, clients, wall, latencies, incidents, recorded, cpu)
+
+
+def _cpu_of(pids: set[int]) -> dict[int, float]:
+    return {pid: _process_cpu_s(pid) for pid in pids}
 
 
 class _NoLedger:
@@ -413,6 +476,11 @@ class _NoLedger:
 
     def record_alarms(self, alarms: Sequence[object]) -> list[AlarmOutcome]:
         return [self.record_alarm(alarm) for alarm in alarms]
+
+    def record_fresh_alarms(
+        self, alarms: Sequence[object], nonces: Sequence[object], *, keep: object, prune: bool
+    ) -> list[AlarmOutcome]:
+        return self.record_alarms(alarms)
 
     def claim_nonces(self, claims: Sequence[object], *, keep: object) -> list[bool]:
         return [True for _ in claims]

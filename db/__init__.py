@@ -32,7 +32,7 @@ from db.errors import (
     UnknownIncident,
     UnknownJob,
 )
-from db.ledger import Ledger
+from db.ledger import Ledger, NonceClaim, Replayed
 from db.migrate import current_revision, downgrade, head_revision, schema_diff, upgrade
 from db.views import (
     ActionClaim,
@@ -77,8 +77,10 @@ __all__ = [
     "LedgerError",
     "LedgerTemporaryError",
     "LedgerUnavailable",
+    "NonceClaim",
     "RankIn",
     "RankView",
+    "Replayed",
     "SchemaNotReady",
     "StaleRegistration",
     "UnknownAction",

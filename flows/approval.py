@@ -15,7 +15,9 @@ back — is both the form's description and a markdown artifact on the run, so i
 after the decision.
 
 Invariants: the form has no default decision (an approver must choose), names the approver and
-a reason (both land in the ledger), and a wait past its deadline returns ``None`` — the caller
+a reason (both land in the ledger; the name as a *claim*, beside the identity an authenticating
+proxy vouched for, if any: :mod:`flows.approval_identity`), and a wait past its deadline returns
+``None`` — the caller
 turns that into ``expired``, never into an approval. The deadline is fixed once, by the
 caller, and kept in the ledger: a re-entered or retried run never restarts the clock.
 """
@@ -40,6 +42,7 @@ from prefect.flow_runs import pause_flow_run, resume_flow_run, suspend_flow_run
 from prefect.input import RunInput
 from pydantic import Field
 
+from flows.approval_identity import ApprovalIdentitySettings, ApproverIdentity, resolve_identity
 from flows.policy import IncidentPolicy, StormCheck
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "ApprovalChoice",
     "ApprovalDecision",
     "Evidence",
+    "answered_by",
     "artifact_key",
     "ask_for_approval",
     "evidence_markdown",
@@ -95,6 +99,28 @@ class ApprovalDecision(RunInput):
             "On approve, the nodes to replace: the form starts with every node the evidence "
             "names; remove those you do not approve. Empty approves all of them."
         ),
+    )
+    identity: str = Field(
+        default="",
+        max_length=4096,
+        description=(
+            "Leave empty: filled in by the sdcguard identity gate in front of the Prefect API "
+            "from the signed-in user. Anything else here is recorded as unverified."
+        ),
+    )
+
+
+def answered_by(decision: ApprovalDecision) -> ApproverIdentity:
+    """Who answered ``decision``: the claimed name, and the identity the gate signed for this
+    flow run if it verifies under ``SDCGUARD_APPROVAL_IDENTITY_SECRET``; else unauthenticated."""
+    context = FlowRunContext.get()
+    run_id = str(context.flow_run.id) if context and context.flow_run else None
+    secret = ApprovalIdentitySettings().secret
+    return resolve_identity(
+        decision.approver,
+        decision.identity or None,
+        run_id,
+        None if secret is None else secret.get_secret_value(),
     )
 
 

@@ -45,6 +45,16 @@ def _stage_outcome(incident: IncidentView, name: str) -> Mapping[str, Any]:
     return {}
 
 
+def answered_as(approval: Mapping[str, Any]) -> str:
+    """How far the approver is known: ``claimed; authenticated as X (source)`` or
+    ``claimed; unauthenticated`` — a typed name is never shown as an identity."""
+    who = approval.get("approver_authenticated")
+    source = approval.get("identity_source") or "unauthenticated"
+    if who:
+        return f"claimed; authenticated as {who} via {source}"
+    return f"claimed; {source}" if source != "policy" else "the policy"
+
+
 def _iso(at: datetime | None) -> str | None:
     return at.isoformat() if at is not None else None
 
@@ -60,11 +70,17 @@ def incident_summary(incident: IncidentView) -> dict[str, Any]:
     resume = _stage_outcome(incident, "resume")
     approval: dict[str, Any] | None = None
     if incident.decision is not None:
+        recorded = (incident.evidence or {}).get("approval") or {}
         approval = {
             "decision": incident.decision,
             "approver": incident.approver,
             "reason": incident.approval_reason,
             "at": _iso(incident.decided_at),
+            # the approver name is what the form said; who was authenticated is separate
+            "approver_authenticated": recorded.get("approver_authenticated"),
+            "identity_source": recorded.get(
+                "identity_source", "unauthenticated" if incident.approver else None
+            ),
         }
     return {
         "incident_id": incident.id,
@@ -150,7 +166,8 @@ def report_markdown(incident: IncidentView) -> str:
     approval = summary["approval"]
     if approval:
         lines.append(
-            f"**{approval['decision']}** by {approval['approver']}: {approval['reason'] or ''}"
+            f"**{approval['decision']}** by {approval['approver']} ({answered_as(approval)}): "
+            f"{approval['reason'] or ''}"
         )
     else:
         lines.append("No decision recorded.")
@@ -241,7 +258,8 @@ def incident_renderables(incident: IncidentView) -> list[RenderableType]:
         ("storm", incident.storm_reason if incident.storm else "no"),
         (
             "decision",
-            f"{approval.get('decision')} by {approval.get('approver')}: {approval.get('reason')}"
+            f"{approval.get('decision')} by {approval.get('approver')} "
+            f"({answered_as(approval)}): {approval.get('reason')}"
             if approval
             else "—",
         ),

@@ -55,8 +55,6 @@ __all__ = [
     "serve",
 ]
 
-_READ_POOL = 4
-
 logger = logging.getLogger(__name__)
 
 
@@ -122,8 +120,9 @@ def serve(
 
     Credentials and limits come from :class:`WebhookSettings` (``SDCGUARD_WEBHOOK_*``), the
     ledger from ``database_url`` or :class:`DatabaseSettings`. See the module docstring for the
-    schema check. Reads get a connection pool of their own, so a flood of reads never holds a
-    connection an alarm needs.
+    schema check. Reads get threads and (on PostgreSQL) a connection pool of their own
+    (``SDCGUARD_WEBHOOK_READ_THREADS``) and a budget (``SDCGUARD_WEBHOOK_READS_PER_S``), so a
+    flood of reads never holds a connection an alarm needs.
     """
     mode = TriggerMode(trigger_mode)
     webhook = load_settings(WebhookSettings)
@@ -138,7 +137,7 @@ def serve(
     read_ledger = (
         None
         if url.startswith("sqlite")
-        else Ledger(create_engine_for(url, pool_size=_READ_POOL, max_overflow=0))
+        else Ledger(create_engine_for(url, pool_size=webhook.read_threads, max_overflow=0))
     )
     trigger = make_trigger(mode)
     app = create_app(
@@ -148,16 +147,20 @@ def serve(
         max_body_bytes=webhook.max_body_bytes,
         window_s=webhook.window_s,
         read_ledger=read_ledger,
-        read_threads=_READ_POOL,
+        read_threads=webhook.read_threads,
+        reads_per_s=webhook.reads_per_s,
         docs=webhook.docs,
     )
     logger.info(
-        "serving the sdcguard webhook on %s://%s:%d (trigger %s, ledger %s)",
+        "serving the sdcguard webhook on %s://%s:%d (trigger %s, ledger %s, "
+        "%d read threads, %g reads/s)",
         "https" if cert else "http",
         host,
         port,
         mode.value,
         ledger.engine.url.render_as_string(hide_password=True),
+        webhook.read_threads,
+        webhook.reads_per_s,
     )
     try:
         # Access logs off: one line per alarm of a 4,096-rank storm costs more than the alarm;

@@ -137,6 +137,26 @@ class WebhookSettings(BaseSettings):
         le=3600,
         description="Accepted clock skew of X-SDCGuard-Timestamp, in seconds (replay window).",
     )
+    read_threads: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description=(
+            "Worker threads (and, on PostgreSQL, pooled connections) of their own for reads "
+            "(GET /v1/incidents…), so a flood of reads never takes a thread or a connection "
+            "an alarm needs."
+        ),
+    )
+    reads_per_s: float = Field(
+        default=50.0,
+        gt=0,
+        le=100_000,
+        description=(
+            "Read budget of the whole service: reads per second (as many at once), above which "
+            "a read is answered 429 with Retry-After: 1 before any work is done for it. Reads "
+            "and alarms share the CPU; the budget keeps a flood from slowing alarm ingestion."
+        ),
+    )
     trigger: TriggerMode = Field(
         default=TriggerMode.PREFECT,
         description=(

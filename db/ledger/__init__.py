@@ -34,7 +34,7 @@ from db.ledger.alarms import AlarmsMixin
 from db.ledger.checkpoints import CheckpointsMixin
 from db.ledger.incidents import IncidentsMixin
 from db.ledger.jobs import JobsMixin
-from db.ledger.nonces import NoncesMixin
+from db.ledger.nonces import NonceClaim, NoncesMixin, Replayed
 from db.ledger.pages import IncidentPage, PagesMixin
 from db.views import (
     ActionClaim,
@@ -62,8 +62,10 @@ __all__ = [
     "IncidentPage",
     "IncidentView",
     "Ledger",
+    "NonceClaim",
     "RankIn",
     "RankView",
+    "Replayed",
 ]
 
 

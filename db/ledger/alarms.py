@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import exists, func, insert, select
@@ -23,6 +24,7 @@ from db.errors import AlarmConflict, InvalidValue
 from db.ledger._base import LedgerBase, _log
 from db.ledger._queries import _active_incidents, _chunks, _evidence_kinds, _new_incident
 from db.ledger._validate import _as_utc, _validate_alarm
+from db.ledger.nonces import NonceClaim, Replayed, claim_in, prune_nonces, validate_claims
 from db.models import AlarmRow, AuditRow, IncidentRow, JobRow, RankRow
 from db.views import AlarmIn, AlarmOutcome
 
@@ -79,18 +81,68 @@ class AlarmsMixin(LedgerBase):
         if not batch:
             return []
         outcomes = self._write("record_alarms", lambda s: self._record_alarms(s, batch))
-        summary: dict[str, dict[str, Any]] = {}
-        for alarm, outcome in zip(batch, outcomes, strict=True):
-            entry = summary.setdefault(
-                outcome.incident_id,
-                {"job": alarm.job_id, "incident": outcome.incident_id, "alarms": 0},
-            )
-            entry["alarms"] += 1
-            entry["duplicates"] = entry.get("duplicates", 0) + int(outcome.duplicate)
-            entry["opened"] = entry.get("opened", False) or outcome.opened
-        for extra in summary.values():
-            _log.info("alarms recorded", extra=extra)
+        _log_batch(batch, outcomes)
         return outcomes
+
+    def record_fresh_alarms(
+        self,
+        alarms: Sequence[AlarmIn],
+        nonces: Sequence[NonceClaim | None],
+        *,
+        keep: timedelta,
+        prune: bool = False,
+    ) -> list[AlarmOutcome | Replayed]:
+        """:meth:`record_alarms` for requests, each alarm recorded only if its nonce is fresh.
+
+        ``nonces[i]`` is the ``(nonce, key_id)`` of the request that carried ``alarms[i]``
+        (``None``: a request without one, always fresh). In the same transaction as the alarms,
+        each nonce is claimed (:func:`db.ledger.nonces.claim_in`); an alarm whose nonce was
+        claimed before — by an earlier request, or earlier in this batch — is not recorded and
+        its outcome is :class:`Replayed`. So a nonce is consumed exactly when its alarm's
+        outcome commits: a batch that fails or rolls back consumes none, and a replay of it is
+        answered as the original would be. ``prune`` also deletes nonces older than ``keep``
+        (table size only; a claim takes an expired nonce over anyway).
+
+        One transaction instead of two per batch: the claim costs one statement in the
+        transaction the alarms need anyway, not a commit of its own.
+        """
+        batch = list(alarms)
+        claims = list(nonces)
+        if len(claims) != len(batch):
+            raise InvalidValue("one nonce (or None) per alarm")
+        for index, alarm in enumerate(batch):
+            try:
+                _validate_alarm(alarm)
+            except InvalidValue as err:
+                raise InvalidValue(f"alarm {index} of the batch: {err}") from err
+        validate_claims([claim for claim in claims if claim is not None])
+        if not batch:
+            return []
+
+        def work(s: Session) -> tuple[list[AlarmIn], list[AlarmOutcome | Replayed]]:
+            now = self._clock()
+            if prune:
+                prune_nonces(s, now - keep)
+            # Claimed first, before any job row is locked: one lock order for every claimer.
+            fresh = iter(claim_in(s, [c for c in claims if c is not None], now, keep))
+            taken = [claim is None or next(fresh) for claim in claims]
+            kept = [alarm for alarm, ok in zip(batch, taken, strict=True) if ok]
+            recorded = iter(self._record_alarms(s, kept) if kept else [])
+            results: list[AlarmOutcome | Replayed] = []
+            for claim, ok in zip(claims, taken, strict=True):
+                if ok:
+                    results.append(next(recorded))
+                else:
+                    assert claim is not None
+                    results.append(Replayed(*claim))
+            return kept, results
+
+        kept, results = self._write("record_alarms", work)
+        _log_batch(kept, [r for r in results if isinstance(r, AlarmOutcome)])
+        replays = len(results) - len(kept)
+        if replays:
+            _log.warning("replayed alarm requests refused", extra={"replays": replays})
+        return results
 
     @staticmethod
     def validate_alarm(alarm: AlarmIn) -> None:
@@ -121,7 +173,7 @@ class AlarmsMixin(LedgerBase):
         self._lock_jobs(s, jobs)
         stored.update(_stored_alarm_incidents(s, list(fresh), batch))
         incidents = _active_incidents(s, jobs)
-        job_nodes = _job_nodes(s, jobs)
+        job_nodes = _job_nodes(s, jobs, list(fresh.values()))
         now = self._clock()
         outcomes: list[AlarmOutcome] = []
         growth: dict[str, _Growth] = {}
@@ -237,6 +289,21 @@ class AlarmsMixin(LedgerBase):
         incident.updated_at = self._clock()  # flushed with the batch: one UPDATE per incident
 
 
+def _log_batch(batch: Sequence[AlarmIn], outcomes: Sequence[AlarmOutcome]) -> None:
+    """One log record per incident a batch touched: how many alarms, duplicates, opened."""
+    summary: dict[str, dict[str, Any]] = {}
+    for alarm, outcome in zip(batch, outcomes, strict=True):
+        entry = summary.setdefault(
+            outcome.incident_id,
+            {"job": alarm.job_id, "incident": outcome.incident_id, "alarms": 0},
+        )
+        entry["alarms"] += 1
+        entry["duplicates"] = entry.get("duplicates", 0) + int(outcome.duplicate)
+        entry["opened"] = entry.get("opened", False) or outcome.opened
+    for extra in summary.values():
+        _log.info("alarms recorded", extra=extra)
+
+
 @dataclass
 class _Growth:
     """What one batch adds to one incident: its alarms' step bounds and suspect nodes."""
@@ -305,15 +372,26 @@ def _stored_alarm_incidents(
     return result
 
 
-def _job_nodes(s: Session, job_ids: Sequence[str]) -> dict[str, set[str]]:
-    """The nodes each job's rank map holds; a job with no registered ranks is absent."""
+def _job_nodes(s: Session, job_ids: Sequence[str], batch: Sequence[AlarmIn]) -> dict[str, set[str]]:
+    """Of the nodes ``batch`` names, those each job's rank map holds; a job with no registered
+    ranks is absent. Only the named nodes are asked for: a storm's batch names a few dozen,
+    while the rank map of a big job holds hundreds, and every batch would read them all."""
+    named = sorted({str(n) for a in batch for n in [*a.suspect_nodes, a.node]})
     result: dict[str, set[str]] = {}
     for chunk in _chunks(list(job_ids)):
-        rows = s.execute(
-            select(RankRow.job_id, RankRow.node).where(RankRow.job_id.in_(chunk)).distinct()
+        has_ranks = exists().where(RankRow.job_id == JobRow.id)
+        result.update(
+            (job, set())
+            for job in s.scalars(select(JobRow.id).where(JobRow.id.in_(chunk), has_ranks))
         )
-        for job_id, node in rows:
-            result.setdefault(job_id, set()).add(node)
+        for nodes in _chunks(named):
+            rows = s.execute(
+                select(RankRow.job_id, RankRow.node)
+                .where(RankRow.job_id.in_(chunk), RankRow.node.in_(nodes))
+                .distinct()
+            )
+            for job_id, node in rows:
+                result[job_id].add(node)
     return result
 
 

@@ -17,7 +17,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from db import IncidentState, IncidentView
-from flows.approval import ApprovalChoice, Evidence, ask_for_approval, flow_run_name
+from flows.approval import (
+    ApprovalChoice,
+    Evidence,
+    answered_by,
+    ask_for_approval,
+    flow_run_name,
+)
 from flows.notify import NeedsHuman, needs_human
 from flows.policy import AlarmEvidence, IncidentPolicy, StormCheck, auto_approval
 from flows.stages._common import (
@@ -132,6 +138,7 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
                 AUTO_APPROVER,
                 auto.reason,
                 nodes=requested,
+                identity={"identity_source": "policy"},
             )
         evidence = Evidence(
             incident_id=incident_id,
@@ -174,6 +181,7 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
             reason,
             uncordon_on_reject=answer.uncordon_on_reject,
             nodes=approved,
+            identity=answered_by(answer).as_record(),
         )
 
     outcome = record_stage(Stage.APPROVAL, incident_id, body)
@@ -277,13 +285,16 @@ def _decide(
     *,
     uncordon_on_reject: bool = False,
     nodes: list[str] | None = None,
+    identity: dict[str, Any] | None = None,
 ) -> StageOutcome:
+    """Record the decision; ``identity`` (a human's answer only) says who was authenticated."""
     record = {
         "decision": choice,
         "approver": approver,
         "reason": reason,
         "uncordon_on_reject": uncordon_on_reject if choice == ApprovalChoice.REJECT else False,
         "nodes": list(nodes or []) if choice == ApprovalChoice.APPROVE else [],
+        **(identity or {}),
     }
     incident = b.ledger.get_incident(incident_id)
     b.ledger.transition(

@@ -4,7 +4,8 @@ Every POST goes through the signed route (:mod:`flows.webhook.signed`: size, aut
 JSON), then its request model (:mod:`flows.webhook.models`), then :func:`admit` (the caller's
 scope covers the job; the nonce is claimed once, :mod:`flows.webhook.replay`), then the ledger
 in one transaction, whose typed errors become 4xx/503 with the reason. Alarms go to the ledger
-through the batcher (:mod:`flows.webhook.batcher`). GET routes change nothing and need a
+through the batcher (:mod:`flows.webhook.batcher`), which claims each request's nonce in the
+transaction that records its alarm. GET routes change nothing and need a
 ``reader``: a signed GET or a bearer token.
 
 Endpoints are ``async`` and run the synchronous ledger in worker threads. Writes and reads have
@@ -40,6 +41,7 @@ from db import (
     LedgerError,
     LedgerTemporaryError,
     RankIn,
+    Replayed,
     SchemaNotReady,
     UnknownIncident,
     UnknownJob,
@@ -66,10 +68,12 @@ from flows.webhook.models import (
 )
 from flows.webhook.replay import ReplayStore
 from flows.webhook.signed import (
+    REPLAYED,
     Guard,
     Refused,
     admit,
     authenticate_read,
+    authorize,
     printable,
     refusal,
     signed_route_class,
@@ -198,8 +202,8 @@ def create_app(
         return await anyio.to_thread.run_sync(fn, *args, limiter=read_limiter)
 
     guard = Guard(creds, max_body_bytes, window_s, in_read_thread)
-    batcher = AlarmBatcher(ledger, dispatcher, in_thread, max_alarm_batch)
     replay = ReplayStore(ledger, in_thread, window_s, shared=ledger.engine.dialect.name != "sqlite")
+    batcher = AlarmBatcher(ledger, dispatcher, in_thread, max_alarm_batch, keep=replay.keep)
 
     async def refire_open_incidents() -> None:
         try:
@@ -290,7 +294,7 @@ def create_app(
         summary="Record an alarm; the alarm that opens an incident starts its flow.",
     )
     async def post_alarm(alarm: AlarmBody, request: Request) -> AlarmAccepted:
-        await admit(request, alarm.job_id, replay)
+        caller = authorize(request, alarm.job_id)  # its nonce is claimed with the alarm's batch
         record = AlarmIn(
             alarm_id=str(alarm.alarm_id),
             job_id=alarm.job_id,
@@ -305,7 +309,10 @@ def create_app(
             sent_at=alarm.sent_at,
         )
         Ledger.validate_alarm(record)  # refused here, alone, not as part of someone's batch
-        outcome = await batcher.record(record)  # the batcher fires the trigger if it opened
+        nonce = None if caller.nonce is None else (caller.nonce, caller.key_id)
+        outcome = await batcher.record(record, nonce)  # the batcher fires the trigger if opened
+        if isinstance(outcome, Replayed):
+            raise Refused(401, REPLAYED)
         if outcome.duplicate:
             logger.debug(
                 "duplicate alarm",

@@ -8,15 +8,23 @@ route's checks, the request model and the ledger's own checks), then hands it to
 and the alarms that arrive during that write form the next batch. The contract per request is
 unchanged: its own outcome, its own status, the trigger fired once for the alarm that opened
 the incident.
+
+Each request's nonce rides with its alarm and is claimed in the batch's own transaction
+(``Ledger.record_fresh_alarms``): a replayed request is answered ``Replayed`` (the endpoint's
+401) with nothing written, and a nonce is consumed exactly when its alarm's outcome commits —
+a batch that fails consumes none, so its re-sent alarms are not taken for replays. One
+transaction per batch, where a separate nonce claim would be a second commit per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Protocol, TypeVar
 
 from db import (
@@ -26,6 +34,8 @@ from db import (
     LedgerError,
     LedgerTemporaryError,
     LedgerUnavailable,
+    NonceClaim,
+    Replayed,
     SchemaNotReady,
 )
 from flows.trigger import TriggerDispatcher
@@ -39,6 +49,8 @@ _T = TypeVar("_T")
 # Alarms per ledger transaction. A 4,096-rank storm then commits in a handful of batches, and a
 # batch stays short enough that no request waits long behind it.
 DEFAULT_ALARM_BATCH = 512
+# How often a batch also deletes expired nonces: only the table's size depends on it.
+_PRUNE_EVERY_S = 60.0
 
 
 class InThread(Protocol):
@@ -57,10 +69,14 @@ class AlarmQueue:
     accepting: bool
 
 
+_Result = AlarmOutcome | Replayed
+
+
 @dataclass(frozen=True)
 class _QueuedAlarm:
     alarm: AlarmIn
-    future: asyncio.Future[AlarmOutcome]
+    nonce: NonceClaim | None
+    future: asyncio.Future[_Result]
 
 
 class AlarmBatcher:
@@ -76,7 +92,10 @@ class AlarmBatcher:
       request cancelled while it waits cannot lose the start of an incident's flow;
     * a failed batch fails no valid alarm for another's sake: a temporary error (database
       down, lost races) is every request's answer, since re-sending is what fixes it; any other
-      ledger error is re-tried alarm by alarm, so only the alarm at fault gets its error.
+      ledger error is re-tried alarm by alarm (each with its own nonce, in its own
+      transaction), so only the alarm at fault gets its error and only its nonce stays free;
+    * a nonce is claimed in the transaction that records its alarm (``keep``: how long the
+      ledger keeps it), never in one of its own.
     """
 
     def __init__(
@@ -85,6 +104,8 @@ class AlarmBatcher:
         dispatcher: TriggerDispatcher,
         in_thread: InThread,
         max_batch: int,
+        *,
+        keep: timedelta,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
@@ -92,6 +113,8 @@ class AlarmBatcher:
         self._dispatcher = dispatcher
         self._in_thread = in_thread
         self._max_batch = max_batch
+        self._keep = keep
+        self._next_prune = 0.0  # monotonic time of the next batch that prunes expired nonces
         self._queue: deque[_QueuedAlarm] = deque()
         self._wakeup = asyncio.Event()
         self._closing = False
@@ -110,12 +133,13 @@ class AlarmBatcher:
                 self._run(), name="sdcguard-alarm-writer"
             )
 
-    async def record(self, alarm: AlarmIn) -> AlarmOutcome:
-        """Queue ``alarm`` for the next batch and wait for its own outcome."""
+    async def record(self, alarm: AlarmIn, nonce: NonceClaim | None = None) -> _Result:
+        """Queue ``alarm`` (sent with ``nonce``) for the next batch; wait for its own outcome,
+        :class:`db.Replayed` when the nonce was used before (then nothing was written)."""
         if self._closing or self._task is None or self._task.done():
             raise LedgerUnavailable("the webhook is not accepting alarms now; send it again")
-        future: asyncio.Future[AlarmOutcome] = asyncio.get_running_loop().create_future()
-        self._queue.append(_QueuedAlarm(alarm, future))
+        future: asyncio.Future[_Result] = asyncio.get_running_loop().create_future()
+        self._queue.append(_QueuedAlarm(alarm, nonce, future))
         self._wakeup.set()
         return await future
 
@@ -156,9 +180,9 @@ class AlarmBatcher:
                 )
 
     async def _write(self, batch: list[_QueuedAlarm]) -> None:
-        results: Sequence[AlarmOutcome | BaseException]
+        results: Sequence[_Result | BaseException]
         try:
-            results = await self._record([item.alarm for item in batch])
+            results = await self._record(batch)
         except Exception as err:  # a bug, not a refusal: each request answers 500
             logger.exception("recording a batch of %d alarms failed", len(batch))
             results = [err] * len(batch)
@@ -167,9 +191,18 @@ class AlarmBatcher:
                 self._fire(item.alarm, result)
             _resolve(item, result)
 
-    async def _record(self, alarms: list[AlarmIn]) -> Sequence[AlarmOutcome | BaseException]:
+    async def _record(self, batch: list[_QueuedAlarm]) -> Sequence[_Result | BaseException]:
+        alarms = [item.alarm for item in batch]
+        nonces = [item.nonce for item in batch]
+        prune = time.monotonic() >= self._next_prune
+        if prune:
+            self._next_prune = time.monotonic() + _PRUNE_EVERY_S
+
+        def record() -> list[_Result]:
+            return self._ledger.record_fresh_alarms(alarms, nonces, keep=self._keep, prune=prune)
+
         try:
-            return await self._in_thread(lambda: self._ledger.record_alarms(alarms))
+            return await self._in_thread(record)
         except (LedgerTemporaryError, SchemaNotReady) as err:
             logger.error("a batch of %d alarms was not recorded: %s", len(alarms), err)
             return [err] * len(alarms)
@@ -179,14 +212,18 @@ class AlarmBatcher:
                 len(alarms),
                 err,
             )
-            return await self._in_thread(lambda: self._one_by_one(alarms))
+            return await self._in_thread(lambda: self._one_by_one(batch))
 
-    def _one_by_one(self, alarms: Sequence[AlarmIn]) -> list[AlarmOutcome | BaseException]:
-        """Each alarm in its own transaction; a ledger error answers only the alarm at fault."""
-        results: list[AlarmOutcome | BaseException] = []
-        for alarm in alarms:
+    def _one_by_one(self, batch: Sequence[_QueuedAlarm]) -> list[_Result | BaseException]:
+        """Each alarm with its nonce in its own transaction; a ledger error answers only the
+        alarm at fault, and its rolled-back nonce stays unclaimed (a re-send gets the same)."""
+        results: list[_Result | BaseException] = []
+        for item in batch:
             try:
-                results.append(self._ledger.record_alarm(alarm))
+                [result] = self._ledger.record_fresh_alarms(
+                    [item.alarm], [item.nonce], keep=self._keep
+                )
+                results.append(result)
             except LedgerError as err:  # handed to that alarm's request, which answers with it
                 results.append(err)
         return results
@@ -205,7 +242,7 @@ class AlarmBatcher:
         self._dispatcher.submit(outcome.incident_id, alarm.job_id)
 
 
-def _resolve(item: _QueuedAlarm, result: AlarmOutcome | BaseException) -> None:
+def _resolve(item: _QueuedAlarm, result: _Result | BaseException) -> None:
     """Answer one waiting request; a request that gave up (cancelled) needs no answer."""
     if item.future.done():
         return

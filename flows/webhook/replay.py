@@ -1,16 +1,21 @@
-"""Refusing replays: every signed POST's nonce is claimed in the ledger before anything is written.
+"""Refusing replays of the signed POSTs other than alarms: each nonce claimed before the write.
 
 Invariant: a request whose nonce was claimed before (by this replica or another, within the
-keep time of twice the signing window) is refused with 401 and changes nothing; later than
-that its timestamp is outside the window and it is refused anyway. Claims are grouped: while
-one ledger transaction claims a batch, the nonces that arrive meanwhile form the next, so an
-alarm storm adds a handful of transactions, not one per request.
+keep time of more than twice the signing window) is refused with 401 and changes nothing; later
+than that its timestamp is outside the window and it is refused anyway. Claims are grouped:
+while one ledger transaction claims a batch, the nonces that arrive meanwhile form the next.
 
-Where nonces live: in the ledger (``request_nonces``) on PostgreSQL, so every replica refuses
-a replay another one accepted. On the embedded SQLite ledger — one machine, one webhook
-process — they live in this process: a nonce seen before a restart is forgotten by the new
-process, so a replay *within the signing window of a restart* is not caught there (its
-timestamp still bounds it to the window). Use PostgreSQL wherever that matters.
+Alarms do not come here: the alarm batch claims each request's nonce in the transaction that
+records its alarm (:mod:`flows.webhook.batcher`), in the ledger on either backend, so an alarm
+storm costs no extra commit and a failed batch consumes no nonce. A signed nonce cannot move
+between the two stores: the signature binds the path.
+
+Where the other nonces live: in the ledger (``request_nonces``) on PostgreSQL, so every
+replica refuses a replay another one accepted. On the embedded SQLite ledger — one machine, one
+webhook process — they live in this process: a nonce seen before a restart is forgotten by the
+new process, so a replay of a rank registration, checkpoint, audit or trigger *within the
+signing window of a restart* is not caught there (its timestamp still bounds it to the window;
+alarms are caught, their nonces are in the ledger). Use PostgreSQL wherever that matters.
 """
 
 from __future__ import annotations
@@ -55,6 +60,11 @@ class ReplayStore:
         self._wakeup = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
+
+    @property
+    def keep(self) -> timedelta:
+        """How long a nonce is kept: more than twice the signing window."""
+        return self._keep
 
     def start(self) -> None:
         if self._task is None:

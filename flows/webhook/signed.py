@@ -15,7 +15,9 @@ Order of checks, each one before the next is allowed to look at the body:
    (:mod:`flows.webhook.models`): 422 naming the field.
 
 The endpoint then calls :func:`admit` before it writes: the caller's scope must cover the job
-(403), and the request's nonce is claimed in the replay store (401 on a second use). Reads use
+(403), and the request's nonce is claimed in the replay store (401 on a second use). The alarm
+endpoint calls :func:`authorize` instead (the same checks without the claim) and hands the
+nonce to the alarm batch, which claims it in the transaction that records the alarm. Reads use
 :func:`authenticate_read`: the same signature (empty body) or a bearer token, ``reader`` role.
 """
 
@@ -54,6 +56,7 @@ __all__ = [
     "Refused",
     "admit",
     "authenticate_read",
+    "authorize",
     "check_checkpoint_uri",
     "printable",
     "signed_route_class",
@@ -187,14 +190,15 @@ async def authenticate_read(request: Request, guard: Guard) -> Principal:
     return caller.principal
 
 
-async def admit(
-    request: Request, job_id: str, replay: ReplayStore, *, checkpoint_uri: str | None = None
-) -> Principal:
-    """Let the signed request write for ``job_id``, or raise :class:`Refused`.
+REPLAYED = "replayed request: this nonce was used before"
+
+
+def authorize(request: Request, job_id: str, *, checkpoint_uri: str | None = None) -> Caller:
+    """The caller of the signed request, if it may write for ``job_id``; else :class:`Refused`.
 
     403 when the caller may not write for that job (or ``checkpoint_uri`` lies outside the
-    job's prefix); 401 when its nonce was used before. Called by each endpoint after its body
-    validated and before its first write.
+    job's prefix). The nonce is not claimed here: the caller claims ``Caller.nonce`` in the
+    transaction of its write (the alarm batch), or calls :func:`admit`.
     """
     caller = request.state.caller
     assert isinstance(caller, Caller)
@@ -205,9 +209,22 @@ async def admit(
         raise Refused(403, f"{printable(principal.name)} may not write for job {job_id}")
     if checkpoint_uri is not None:
         check_checkpoint_uri(principal, job_id, checkpoint_uri)
+    return caller
+
+
+async def admit(
+    request: Request, job_id: str, replay: ReplayStore, *, checkpoint_uri: str | None = None
+) -> Principal:
+    """Let the signed request write for ``job_id``, or raise :class:`Refused`.
+
+    :func:`authorize`'s 403s, then 401 when its nonce was used before (claimed in the replay
+    store, in a transaction of its own). Called by each endpoint after its body validated and
+    before its first write.
+    """
+    caller = authorize(request, job_id, checkpoint_uri=checkpoint_uri)
     if caller.nonce is not None and not await replay.claim(caller.nonce, caller.key_id):
-        raise Refused(401, "replayed request: this nonce was used before")
-    return principal
+        raise Refused(401, REPLAYED)
+    return caller.principal
 
 
 def check_checkpoint_uri(principal: Principal, job_id: str, uri: str) -> None:

@@ -38,6 +38,14 @@ from tests.flows.conftest import Webhook, alarm_payload, ranks_payload, row_coun
 WORLD_SIZE = 4096
 CLIENTS = 64
 STEP = 1234
+# uvicorn closes a keep-alive connection idle for 5 s (its ``timeout_keep_alive``). A client
+# that reuses one at that moment sends into a closing socket and reads "connection reset by
+# peer" — under a heavy machine load a client thread can sit that long between two requests.
+# So the storm's clients drop idle connections well before the server does, and retry only a
+# connection that could not be opened (httpx's transport retries: connect errors, never a
+# request that was sent or an HTTP answer).
+KEEPALIVE_S = 2.0
+CONNECT_RETRIES = 3
 
 
 def test_storm_records_every_alarm_once_opens_one_incident_fires_once(
@@ -64,7 +72,10 @@ def _storm(webhook: Webhook) -> None:
     ]
 
     def client(index: int) -> list[httpx.Response]:
-        with httpx.Client(base_url=webhook.url, timeout=60) as http:
+        transport = httpx.HTTPTransport(
+            retries=CONNECT_RETRIES, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+        )
+        with httpx.Client(base_url=webhook.url, timeout=60, transport=transport) as http:
             return [
                 http.post(
                     "/v1/alarms",
@@ -135,18 +146,24 @@ def test_a_batch_the_database_cannot_take_is_answered_503_and_can_be_resent(
     ledger: Ledger, webhook_secret: str
 ) -> None:
     """The alarms table disappears under a waiting batch: every request of it, and of the batch
-    queued behind it, is told to retry (503, Retry-After); re-sent later, each is recorded."""
+    queued behind it, is told to retry (503, Retry-After); re-sent later, each is recorded.
+    The nonce is claimed in the batch's transaction, so the failed batch consumed none: the
+    very same signed requests, re-sent byte for byte, are accepted — and only once."""
     trigger = RecordingTrigger()
     app = create_app(ledger, trigger, webhook_secret)
     with run_in_thread(app) as url:
         hook = Webhook(url, app, ledger, trigger, webhook_secret)
-        payloads = [alarm_payload(rank=rank) for rank in range(16)]
+        requests = [_signed_alarm(webhook_secret, alarm_payload(rank=rank)) for rank in range(16)]
+
+        def send(request: tuple[bytes, dict[str, str]]) -> httpx.Response:
+            return hook.post_raw("/v1/alarms", *request)
+
         try:
             with ThreadPoolExecutor(16) as pool:
                 with _alarms_table_gone(ledger):
-                    futures = [pool.submit(hook.post, "/v1/alarms", payloads[0])]
+                    futures = [pool.submit(send, requests[0])]
                     _wait_for(lambda: alarm_queue_of(app).writing == 1)
-                    futures += [pool.submit(hook.post, "/v1/alarms", p) for p in payloads[1:]]
+                    futures += [pool.submit(send, r) for r in requests[1:]]
                     _wait_for(lambda: alarm_queue_of(app).waiting == 15)
                 refused = [f.result(60) for f in futures]
         finally:
@@ -155,8 +172,9 @@ def test_a_batch_the_database_cannot_take_is_answered_503_and_can_be_resent(
         assert {r.headers.get("retry-after") for r in refused} == {"5"}
         assert ledger.list_incidents("job-1") == []
 
-        resent = [hook.post("/v1/alarms", p) for p in payloads]
-        assert {r.status_code for r in resent} == {202}
+        resent = [send(r) for r in requests]
+        assert {r.status_code for r in resent} == {202}, [r.text for r in resent]
+        assert {send(r).status_code for r in requests} == {401}  # now they are replays
         [incident] = ledger.list_incidents("job-1")
         assert len(incident.alarms) == 16
         assert dispatcher_of(app).wait_idle(30)
@@ -214,6 +232,11 @@ def test_alarms_queued_at_shutdown_are_recorded_before_it_ends(
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _signed_alarm(secret: str, payload: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
+    body = json.dumps(payload).encode()
+    return body, signed_headers("default", secret, "POST", "/v1/alarms", body)
 
 
 def _wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
