@@ -2,8 +2,8 @@
 guard's configuration and take effect in a run.
 
 An ``act-flip`` of the head's output at an unaudited step is seen by the layer checksums
-(``abft``, on by default); with ``--skip-update-on-alarm`` every rank drops that step's update
-(and says so in its log); with ``--no-abft`` no checksum alarm is raised at all."""
+(``abft``, on by default); with ``--skip-update-on-alarm`` every rank drops that step's update,
+so the run ends on other weights; with ``--no-abft`` no checksum alarm is raised at all."""
 
 from __future__ import annotations
 
@@ -31,23 +31,24 @@ def test_abft_and_no_abft_together_are_refused(capsys: pytest.CaptureFixture[str
     assert "not allowed with argument" in capsys.readouterr().err
 
 
-def _run(tmp_path: Path, name: str, *flags: str) -> list[dict[str, Any]]:
+def _run(tmp_path: Path, name: str, *flags: str) -> dict[str, Any]:
     report = tmp_path / f"{name}.json"
     argv = ["--world-size", "1", "--steps", "29", "--audit-every", "0", "--inject", FLIP]
     assert main([*argv, "--report", str(report), *flags]) == 0
-    alarms: list[dict[str, Any]] = json.loads(report.read_text())["alarms"]
-    return alarms
+    body: dict[str, Any] = json.loads(report.read_text())
+    return body
 
 
 def test_the_checksums_catch_the_flip_and_skip_its_update_unless_turned_off(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path,
 ) -> None:
-    alarms = _run(tmp_path, "skip", "--skip-update-on-alarm")
-    assert [(a["step"], a["layer"], a["phase"], a["suspect_ranks"]) for a in alarms] == [
+    skipped = _run(tmp_path, "skip", "--skip-update-on-alarm")
+    assert [(a["step"], a["layer"], a["phase"], a["suspect_ranks"]) for a in skipped["alarms"]] == [
         (27, "abft", "forward", [0])
     ]
-    assert "update of step 27 skipped on every rank: abft" in capfd.readouterr().err
 
-    alarms = _run(tmp_path, "off", "--no-abft")
-    assert all(a["layer"] != "abft" for a in alarms), alarms
-    assert "skipped on every rank" not in capfd.readouterr().err
+    # The checksums only read (the same seed ends on the same weights whatever the guard
+    # checks), so other final weights come from the update the flag dropped.
+    off = _run(tmp_path, "off", "--no-abft")
+    assert all(a["layer"] != "abft" for a in off["alarms"]), off["alarms"]
+    assert skipped["final_fingerprint"] != off["final_fingerprint"]
