@@ -203,6 +203,11 @@ class GradStatsDetector:
     def calibrated(self) -> bool:
         return self.steps_learnt >= self.config.warmup
 
+    def history(self) -> dict[tuple[int, str], tuple[float, float, int]]:
+        """The temporal test's reference per (rank, statistic): running mean and mean absolute
+        deviation of its log, and the clean steps learnt."""
+        return {key: (h.mean, h.dev, h.n) for key, h in sorted(self._temporal.items())}
+
     def reset_if_layout_changed(self, n_buckets: int) -> None:
         """DDP may rebuild its buckets after the first step: a new layout is a new history."""
         if n_buckets != self._layout:

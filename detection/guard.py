@@ -318,7 +318,10 @@ class SDCGuard:
         compiled = self.compiled_outer or isinstance(
             self.module, torch._dynamo.eval_frame.OptimizedModule
         )
-        if self.config.abft and self.config.step_checks and compiled:
+        abft = not compiled if self.config.abft is None else self.config.abft
+        if self.config.abft is None and compiled and self.config.step_checks:
+            _log.info("ABFT off: a compiled model calls no module hooks", extra=self._extra)
+        if abft and self.config.step_checks and compiled:
             raise GuardConfigError(
                 "GuardConfig(abft=True) checks nn.Linear through module hooks, which a compiled "
                 "model traces instead of calling: set abft=False for a torch.compile model (the "
@@ -332,7 +335,7 @@ class SDCGuard:
             world_size=self.world_size,
             config=self.config.stats,
             enabled=self.config.step_checks,
-            abft=self.config.abft,
+            abft=abft,
             skip_update=self.config.skip_update_on_alarm,
             check_reduction=default_reduction,
             extra=self._extra,

@@ -68,7 +68,12 @@ class GuardConfig:
     algebraic all-reduce check and the optimizer-state check on every step. On by default.
     ``skip_update_on_alarm``: when that layer finds a step corrupted, drop its gradients before
     ``optimizer.step`` on every rank, so the corrupted step never reaches the weights.
-    ``abft``: Linear checksums (forward rows, weight gradient), opt-in. ``stats``: the tuning.
+    ``abft``: the layers' checksums (:mod:`detection.abft`: Linear forward rows and weight
+    gradient, Embedding rows and gradient, LayerNorm/BatchNorm gradient) on every step, the
+    only check of this layer that sees a flip which makes a value smaller. ``None`` (the
+    default): on, except on a ``torch.compile`` model, whose traced modules call no hooks (then
+    off, logged); ``True``: on, and a compiled model is refused; ``False``: off.
+    ``stats``: the tuning.
     """
 
     audit_every: int = 0
@@ -81,7 +86,7 @@ class GuardConfig:
     calibrate: int = 0
     step_checks: bool = True
     skip_update_on_alarm: bool = False
-    abft: bool = False
+    abft: bool | None = None
     stats: StatsConfig = field(default_factory=StatsConfig)
 
     def __post_init__(self) -> None:

@@ -121,6 +121,20 @@ class TrainConfig:
     probe_step: int | None = None
     probe: Path | None = None
     halt_on_alarm: bool = False
+    abft: bool | None = None  # None: GuardConfig's default (on for the eager model)
+    skip_update_on_alarm: bool = False
+
+    def guard_config(self) -> GuardConfig:
+        """The guard's configuration for this job, the same on every rank."""
+        return GuardConfig(
+            audit_every=self.audit_every,
+            audit_mode=AuditMode(self.audit_mode),
+            seed=self.seed,
+            halt_on_alarm=self.halt_on_alarm,
+            inject=tuple(self.inject),
+            abft=self.abft,
+            skip_update_on_alarm=self.skip_update_on_alarm,
+        )
 
     def node_names(self) -> list[str]:
         """Node of each rank: ``nodes`` if given, else ``node-{rank // ranks_per_node}``."""
@@ -460,13 +474,7 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
             optimizer,
             microbatch=microbatch,
             loss_fn=loss_fn,
-            config=GuardConfig(
-                audit_every=config.audit_every,
-                audit_mode=AuditMode(config.audit_mode),
-                seed=config.seed,
-                halt_on_alarm=config.halt_on_alarm,
-                inject=tuple(config.inject),
-            ),
+            config=config.guard_config(),
             identity=RankIdentity.detect(rank, _local_rank(nodes, rank), world, node=node),
             sender=sender,
             gate=gate,
@@ -718,6 +726,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-step", type=int, default=None)
     p.add_argument("--probe", type=Path, default=None, help="per-submodule fingerprints")
     p.add_argument("--halt-on-alarm", action="store_true", help="stop after the first alarm")
+    abft = p.add_mutually_exclusive_group()
+    abft.add_argument(
+        "--abft",
+        dest="abft",
+        action="store_const",
+        const=True,
+        default=None,
+        help="layer checksums on every step (the default)",
+    )
+    abft.add_argument(
+        "--no-abft",
+        dest="abft",
+        action="store_const",
+        const=False,
+        help="no layer checksums: the per-step statistics alone",
+    )
+    p.add_argument(
+        "--skip-update-on-alarm",
+        action="store_true",
+        help="a step the per-step layer finds corrupted updates no weight, on every rank",
+    )
     return p
 
 
@@ -757,14 +786,11 @@ def _sigterm_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``sdcguard train``. Returns 0 when the job ran (alarms are results, not errors), 2 for
-    bad options, 1 when the job failed, 143 when stopped by SIGTERM."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exit_:
-        return int(exit_.code or 0) if not isinstance(exit_.code, str) else 2
-    config = TrainConfig(
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """The :class:`TrainConfig` of a ``sdcguard train`` command line (``SystemExit`` on bad
+    options, as argparse does)."""
+    args = _parser().parse_args(argv)
+    return TrainConfig(
         world_size=args.world_size,
         ranks_per_node=args.ranks_per_node,
         nodes=args.nodes,
@@ -785,7 +811,18 @@ def main(argv: list[str] | None = None) -> int:
         probe_step=args.probe_step,
         probe=args.probe,
         halt_on_alarm=args.halt_on_alarm,
+        abft=args.abft,
+        skip_update_on_alarm=args.skip_update_on_alarm,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``sdcguard train``. Returns 0 when the job ran (alarms are results, not errors), 2 for
+    bad options, 1 when the job failed, 143 when stopped by SIGTERM."""
+    try:
+        config = parse_config(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0) if not isinstance(exit_.code, str) else 2
     try:
         with _sigterm_unwinds():
             report = run(config)

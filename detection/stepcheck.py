@@ -184,14 +184,18 @@ class StepChecks:
             self._carried = (row, n_ratios)
             return
         rows = all_gather_rows(row, self.group)
+        nonfinite_before = self.nonfinite_steps
         self._pending = self._decide(rows, n_ratios)
-        if self._pending:
+        # A non-finite gradient (the non-finite check's alarm) is dropped too; under a scaler
+        # the scaler skips it already.
+        nonfinite = self.nonfinite_steps > nonfinite_before and scale is None
+        if self._pending or nonfinite:
             self._drop_update(scaled=scale is not None)
             self.skipped_steps.append(step)
             _log.warning(
                 "update of step %d skipped on every rank: %s",
                 step,
-                ", ".join(str(f.layer) for f in self._pending),
+                ", ".join(str(f.layer) for f in self._pending) or "non-finite gradient",
                 extra={**self._extra, "step": step},
             )
 

@@ -80,7 +80,7 @@ class Workload:
     autocast: bool = False
     inject: tuple[str, ...] = ()
     skip_update: bool = False
-    abft: bool = False
+    abft: bool | None = None  # None: GuardConfig's default (on)
     stats: StatsConfig = field(default_factory=StatsConfig)
 
     def label(self) -> str:
@@ -89,8 +89,8 @@ class Workload:
             parts.append(f"accumulate {self.accumulate}")
         if self.autocast:
             parts.append("bf16 autocast")
-        if self.abft:
-            parts.append("abft")
+        if self.abft is False:
+            parts.append("no abft")
         return ", ".join(parts)
 
 

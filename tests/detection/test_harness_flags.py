@@ -1,0 +1,54 @@
+"""``sdcguard train --abft/--no-abft`` and ``--skip-update-on-alarm``: they parse into the
+guard's configuration and take effect in a run.
+
+An ``act-flip`` of the head's output at an unaudited step is seen by the layer checksums
+(``abft``, on by default); with ``--skip-update-on-alarm`` every rank drops that step's update,
+so the run ends on other weights; with ``--no-abft`` no checksum alarm is raised at all."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from detection.harness import main, parse_config
+
+FLIP = "act-flip@0:27:29"  # after the 25-step warm-up of the per-step layer
+
+
+def test_the_flags_parse_into_the_guard_configuration() -> None:
+    default = parse_config([]).guard_config()
+    assert (default.abft, default.skip_update_on_alarm) == (None, False)  # None: on (eager)
+    assert parse_config(["--abft"]).guard_config().abft is True
+    assert parse_config(["--no-abft"]).guard_config().abft is False
+    assert parse_config(["--skip-update-on-alarm"]).guard_config().skip_update_on_alarm
+
+
+def test_abft_and_no_abft_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--abft", "--no-abft"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def _run(tmp_path: Path, name: str, *flags: str) -> dict[str, Any]:
+    report = tmp_path / f"{name}.json"
+    argv = ["--world-size", "1", "--steps", "29", "--audit-every", "0", "--inject", FLIP]
+    assert main([*argv, "--report", str(report), *flags]) == 0
+    body: dict[str, Any] = json.loads(report.read_text())
+    return body
+
+
+def test_the_checksums_catch_the_flip_and_skip_its_update_unless_turned_off(
+    tmp_path: Path,
+) -> None:
+    skipped = _run(tmp_path, "skip", "--skip-update-on-alarm")
+    assert [(a["step"], a["layer"], a["phase"], a["suspect_ranks"]) for a in skipped["alarms"]] == [
+        (27, "abft", "forward", [0])
+    ]
+
+    # The checksums only read (the same seed ends on the same weights whatever the guard
+    # checks), so other final weights come from the update the flag dropped.
+    off = _run(tmp_path, "off", "--no-abft")
+    assert all(a["layer"] != "abft" for a in off["alarms"]), off["alarms"]
+    assert skipped["final_fingerprint"] != off["final_fingerprint"]
