@@ -43,6 +43,7 @@ from flows.policy import IncidentPolicy, NodeAction
 from flows.recovery_settings import PolicySettings
 from flows.report import STAGE_KIND, incident_summary
 from flows.retry import retry_incident
+from flows.stages import AUTO_APPROVER
 from flows.trigger import RecordingTrigger
 from flows.wiring import Backends, LocalJobCatalog, LocalNodeDirectory, use_backends
 from recovery import moto_hyperpod
@@ -629,10 +630,16 @@ def test_the_storm_guard_runs_again_before_the_fix_and_withdraws_an_automatic_ap
             return
         assert incident.storm
         assert "3 of the job's 4 nodes" in (incident.storm_reason or "")
-        assert any(
-            "automatic approval withdrawn before the fix" in (e.reason or "")
-            for e in incident.history
-        )
+        (withdrawn,) = [e for e in incident.history if (e.detail or {}).get("withdrawn")]
+        assert "automatic approval withdrawn before the fix" in (withdrawn.reason or "")
+        assert withdrawn.detail == {
+            "withdrawn": {"decision": "approve", "approver": AUTO_APPROVER, "nodes": [FAULTY]},
+            "by": "storm guard",
+        }
+        assert withdrawn.to_state is IncidentState.AWAITING_APPROVAL
+        # the trail reads as it happened: withdrawn, then a human asked; no retry, one expiry
+        assert not any((e.detail or {}).get("retry") for e in incident.history)
+        assert [e.to_state for e in incident.history].count(IncidentState.EXPIRED) == 1
         # a human was asked (and did not answer in time): nothing was replaced
         assert incident.state is IncidentState.EXPIRED
         assert incident.approver is None
