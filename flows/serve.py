@@ -30,6 +30,7 @@ from starlette.types import ASGIApp
 from db import Ledger
 from db.engine import create_engine_for
 from db.migrate import require_head, upgrade
+from flows.expiry import ExpirySettings, ExpirySweeper
 from flows.settings import (
     DatabaseSettings,
     PrefectTriggerSettings,
@@ -159,6 +160,8 @@ def serve(
         mode.value,
         ledger.engine.url.render_as_string(hide_password=True),
     )
+    # suspended approvals past their deadline have no run left to close them (flows.expiry)
+    sweeper = ExpirySweeper(ledger, load_settings(ExpirySettings)).start()
     try:
         # Access logs off: one line per alarm of a 4,096-rank storm costs more than the alarm;
         # refusals, opened incidents and trigger failures are logged by the app itself.
@@ -172,6 +175,7 @@ def serve(
             ssl_keyfile=str(key) if key else None,
         )
     finally:
+        sweeper.stop()
         if isinstance(trigger, LocalTrigger):
             trigger.close(wait=False)
         ledger.engine.dispose()

@@ -13,6 +13,7 @@ withdrew what and why.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -324,6 +325,72 @@ class IncidentsMixin(LedgerBase):
             "decision withdrawn",
             extra={"incident": incident_id, "job": view.job_id, "by": who},
         )
+        return view
+
+    def expire_overdue_approval(
+        self, incident_id: str, *, grace_s: float = 0.0, reason: str | None = None
+    ) -> IncidentView | None:
+        """Close ``expired`` an incident whose approval deadline passed with no decision.
+
+        For a suspended approval: when its pause times out Prefect fails the suspended run
+        without running any of its code, so nothing else would close the incident. Atomic
+        with the decision: only an incident still ``awaiting_approval``, with no decision and
+        a recorded request whose deadline is more than ``grace_s`` past, is closed (the
+        decision ``expire`` recorded with it, as the flow records it); anything else is left
+        alone and None returned.
+        """
+        if grace_s < 0:
+            raise InvalidValue(f"grace_s must be >= 0, not {grace_s!r}")
+
+        def work(s: Session) -> IncidentView | None:
+            row = _require_incident(s, incident_id, lock=True)
+            request = (row.evidence or {}).get("approval_request") or {}
+            if (
+                row.state != IncidentState.AWAITING_APPROVAL
+                or row.decision is not None
+                or not request.get("deadline")
+            ):
+                return None
+            deadline = datetime.fromisoformat(str(request["deadline"]))
+            now = self._clock()
+            if now < deadline + timedelta(seconds=grace_s):
+                return None
+            why = reason or (
+                f"no decision by the deadline {deadline.isoformat()}: nodes stay cordoned, "
+                "nothing replaced, training stays stopped"
+            )
+            record = {
+                "decision": "expire",
+                "approver": None,
+                "reason": why,
+                "uncordon_on_reject": False,
+                "nodes": [],
+            }
+            row.decision = "expire"
+            row.approval_reason = why
+            row.decided_at = now
+            row.evidence = {**(row.evidence or {}), "approval": record}
+            row.state = IncidentState.EXPIRED
+            row.reason = why
+            row.closed_at = row.updated_at = now
+            s.add(
+                IncidentEventRow(
+                    incident_id=row.id,
+                    from_state=IncidentState.AWAITING_APPROVAL,
+                    to_state=IncidentState.EXPIRED,
+                    reason=why,
+                    detail={"decision": "expire", "deadline": deadline.isoformat()},
+                    at=now,
+                )
+            )
+            s.flush()
+            return _incident_view(s, row)
+
+        view = self._write("expire_overdue_approval", work)
+        if view is not None:
+            _log.info(
+                "overdue approval expired", extra={"incident": incident_id, "job": view.job_id}
+            )
         return view
 
 
