@@ -13,6 +13,12 @@ flow run before the first destructive stage and from ``sdcguard prefect-setup`` 
 
 Invariant: a slot is held only inside :func:`destructive_slot`; leaving it (return, exception,
 cancellation) releases it, and the lease (``lease_s``) bounds how long a dead holder blocks.
+
+A ledger claim is owned by a flow run (:func:`claim_owner`). A claim whose owner's flow run is
+finished — ``Crashed`` (its process was SIGKILLed and the worker reported it), ``Failed``,
+``Cancelled``, ``Completed`` — or that Prefect does not know at all can be taken over at once
+(:func:`dead_owner_reason`) instead of after its lease; an owner Prefect reports live (running,
+paused, suspended, scheduled) keeps its claim until the lease expires.
 """
 
 from __future__ import annotations
@@ -21,14 +27,22 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Iterator
+from typing import Final
 
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 from prefect.context import FlowRunContext
+from prefect.exceptions import ObjectNotFound
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["CoordinationSettings", "claim_owner", "destructive_slot", "ensure_prefect_objects"]
+__all__ = [
+    "CoordinationSettings",
+    "claim_owner",
+    "dead_owner_reason",
+    "destructive_slot",
+    "ensure_prefect_objects",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +83,7 @@ class CoordinationSettings(BaseSettings):
 
 
 _PROCESS_OWNER = f"process-{uuid.uuid4()}"
+_FLOW_RUN_OWNER: Final = "flow-run-"
 
 
 def claim_owner() -> str:
@@ -76,8 +91,31 @@ def claim_owner() -> str:
     suspend and its re-entry), or, outside any run, one id per process."""
     context = FlowRunContext.get()
     if context is not None and context.flow_run is not None:
-        return f"flow-run-{context.flow_run.id}"
+        return f"{_FLOW_RUN_OWNER}{context.flow_run.id}"
     return _PROCESS_OWNER
+
+
+def dead_owner_reason(owner: str) -> str | None:
+    """Why the flow run that owns a claim is dead ("flow run Crashed", "flow run not found"),
+    or None when it may be alive — live, or unknowable: an owner that is not a flow run, or a
+    Prefect API that does not answer (then the lease decides, as before)."""
+    if not owner.startswith(_FLOW_RUN_OWNER):
+        return None
+    try:
+        run_id = uuid.UUID(owner.removeprefix(_FLOW_RUN_OWNER))
+    except ValueError:
+        return None
+    try:
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(run_id)
+    except ObjectNotFound:
+        return "flow run not found"
+    except Exception as err:  # the API is down or refuses: cannot tell, keep the lease rule
+        log.warning("cannot read owner %s from Prefect: %s", owner, err, extra={"owner": owner})
+        return None
+    if run.state is not None and run.state.is_final():
+        return f"flow run {run.state.type.value}"
+    return None
 
 
 def ensure_prefect_objects(settings: CoordinationSettings | None = None) -> None:

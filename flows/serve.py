@@ -30,6 +30,7 @@ from starlette.types import ASGIApp
 from db import Ledger
 from db.engine import create_engine_for
 from db.migrate import require_head, upgrade
+from flows.expiry import ExpirySettings, ExpirySweeper
 from flows.settings import (
     DatabaseSettings,
     PrefectTriggerSettings,
@@ -162,6 +163,8 @@ def serve(
         webhook.read_threads,
         webhook.reads_per_s,
     )
+    # suspended approvals past their deadline have no run left to close them (flows.expiry)
+    sweeper = ExpirySweeper(ledger, load_settings(ExpirySettings)).start()
     try:
         # Access logs off: one line per alarm of a 4,096-rank storm costs more than the alarm;
         # refusals, opened incidents and trigger failures are logged by the app itself.
@@ -175,6 +178,7 @@ def serve(
             ssl_keyfile=str(key) if key else None,
         )
     finally:
+        sweeper.stop()
         if isinstance(trigger, LocalTrigger):
             trigger.close(wait=False)
         ledger.engine.dispose()

@@ -130,12 +130,15 @@ def create_demo_cluster(
     cluster_name: str,
     instance_count: int,
     instance_group: str = "workers",
+    *,
+    continuous: bool = False,
 ) -> list[str]:
     """Create a HyperPod cluster in moto and return its instance ids, in creation order.
 
-    Creates the lifecycle bucket too. Idempotent for the demo's re-runs against one server: an
-    existing cluster is reused when its group has ``instance_count`` nodes, and refused
-    (:class:`PermanentError`) otherwise.
+    Creates the lifecycle bucket too. ``continuous``: HyperPod's continuous provisioning
+    (``NodeProvisioningMode="Continuous"``), whose nodes carry logical ids. Idempotent for the
+    demo's re-runs against one server: an existing cluster is reused when its group has
+    ``instance_count`` nodes, and refused (:class:`PermanentError`) otherwise.
     """
     if instance_count < 1:
         raise ValueError(f"instance_count must be >= 1, got {instance_count}")
@@ -149,8 +152,10 @@ def create_demo_cluster(
         )
     except ClientError as err:
         raise PermanentError("s3", "put", DEMO_LIFECYCLE_BUCKET, str(err)) from err
+    mode = {"NodeProvisioningMode": "Continuous"} if continuous else {}
     try:
         sagemaker.create_cluster(
+            **mode,
             ClusterName=cluster_name,
             InstanceGroups=[
                 {

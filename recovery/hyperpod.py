@@ -17,11 +17,21 @@ Throttling is retried by botocore itself (``standard`` or ``adaptive`` retry mod
 :func:`sagemaker_client`); only a throttle that outlasts those attempts reaches the caller, as
 :class:`~recovery.errors.ThrottledError`.
 
-A replacement node gets a new instance id, and AWS does not say which new node replaced which
-old one. :meth:`HyperPod.replace` therefore records the instance group's members before the
-call (also returned as :attr:`BatchResult.members_before`, for a flow to persist), and
-:meth:`HyperPod.wait_replaced` takes the first ``Running`` node of the group that is not among
-them once the old instance is gone.
+A replacement node gets a new instance id. Which new instance replaced which old one is known
+only where HyperPod says so:
+
+* on a cluster with *continuous provisioning* every node has a ``NodeLogicalId`` that "persists
+  throughout its lifecycle" (API reference, ``ClusterNodeDetails``): the logical id names the
+  node and survives the replacement of its hardware, so :meth:`HyperPod.wait_replaced` follows
+  it (``DescribeClusterNode(NodeLogicalId=…)``) to the instance now behind it;
+* otherwise AWS gives no link (neither ``BatchReplaceClusterNodes``' answer nor
+  ``ListClusterNodes`` / ``DescribeClusterNode`` name a predecessor). Then the rule is
+  *accounting*, never "the first new node": :meth:`HyperPod.replace` records the group's
+  members before the call (:attr:`BatchResult.members_before`, for a flow to persist); a new
+  member is taken as ours only when every member that left the group since then is one *we*
+  replaced. A departure we did not cause (HyperPod's own auto-recovery, another incident, a
+  scale-in) or more arrivals than departures (a scale-out) make the match ambiguous, and
+  :class:`AmbiguousReplacement` names the candidates for a human instead of guessing.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ __all__ = [
     "INSTANCE_ID_LABEL",
     "MAX_BATCH",
     "AlreadyReplacing",
+    "AmbiguousReplacement",
     "BatchAction",
     "BatchResult",
     "ClusterNode",
@@ -146,6 +157,10 @@ class AlreadyReplacing(PermanentError):
         )
 
 
+class AmbiguousReplacement(PermanentError):
+    """New members appeared in the group, but HyperPod's answers cannot say which one is ours."""
+
+
 class MissingBaseline(PermanentError):
     """``wait_replaced`` cannot tell the new node from the old members of its group."""
 
@@ -159,12 +174,15 @@ class ClusterNode:
     """One HyperPod instance as the SageMaker API describes it."""
 
     instance_id: str
+    """Empty while a continuously provisioned node has no instance yet."""
     group: str
     status: str
     launch_time: datetime | None = None
     instance_type: str | None = None
     message: str | None = None
     private_dns_hostname: str | None = None
+    logical_id: str | None = None
+    """``NodeLogicalId`` (continuous provisioning): names the node across replacements."""
 
     @property
     def running(self) -> bool:
@@ -175,13 +193,14 @@ class ClusterNode:
         """From a ``ClusterNodeDetails`` or ``ClusterNodeSummary`` dict."""
         status = data.get("InstanceStatus") or {}
         return cls(
-            instance_id=str(data["InstanceId"]),
+            instance_id=str(data.get("InstanceId") or ""),
             group=str(data["InstanceGroupName"]),
             status=str(status.get("Status", "")),
             launch_time=data.get("LaunchTime"),
             instance_type=data.get("InstanceType"),
             message=status.get("Message"),
             private_dns_hostname=data.get("PrivateDnsHostname"),
+            logical_id=data.get("NodeLogicalId"),
         )
 
 
@@ -199,7 +218,8 @@ class BatchResult:
     """What a batch reboot/replace did, node by node.
 
     ``members_before`` (replace only) maps each affected instance group to its instance ids just
-    before the call: the baseline :meth:`HyperPod.wait_replaced` needs to recognise the new node,
+    before the call, and ``logical_ids`` each replaced instance to its ``NodeLogicalId`` where
+    the cluster has them: what :meth:`HyperPod.wait_replaced` needs to recognise the new node,
     worth persisting when the wait may happen in another process.
     """
 
@@ -208,6 +228,7 @@ class BatchResult:
     successful: tuple[str, ...]
     failed: tuple[NodeFailure, ...] = ()
     members_before: Mapping[str, frozenset[str]] = field(default_factory=dict)
+    logical_ids: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -317,6 +338,10 @@ class HyperPod:
         self._lock = threading.Lock()
         # old instance id -> its group's members before the replace we issued
         self._baselines: dict[str, frozenset[str]] = {}
+        # old instance id -> its NodeLogicalId (continuous provisioning)
+        self._logical: dict[str, str] = {}
+        # every instance this object asked HyperPod to replace (departures that are ours)
+        self._replaced: set[str] = set()
         # new instance ids already handed out by wait_replaced
         self._claimed: set[str] = set()
 
@@ -371,9 +396,21 @@ class HyperPod:
         )
         return ClusterNode.from_api(response["NodeDetails"])
 
+    def describe_logical(self, logical_id: str) -> ClusterNode:
+        """The node a ``NodeLogicalId`` names now (continuous provisioning)."""
+        response = self._call(
+            "describe",
+            logical_id,
+            self._client.describe_cluster_node,
+            ClusterName=self._cluster,
+            NodeLogicalId=logical_id,
+        )
+        return ClusterNode.from_api(response["NodeDetails"])
+
     def list_nodes(self, group: str | None = None) -> list[ClusterNode]:
-        """All nodes of the cluster (or of one instance group), in the API's creation order."""
-        kwargs: dict[str, Any] = {"ClusterName": self._cluster}
+        """All nodes of the cluster (or of one instance group), in the API's creation order,
+        with their logical ids where the cluster has them."""
+        kwargs: dict[str, Any] = {"ClusterName": self._cluster, "IncludeNodeLogicalIds": True}
         if group is not None:
             kwargs["InstanceGroupNameContains"] = group
         nodes: list[ClusterNode] = []
@@ -488,10 +525,14 @@ class HyperPod:
             ClusterName=self._cluster,
             NodeIds=ids,
         )
-        result = self._result(BatchAction.REPLACE, response, members)
+        logical = {n.instance_id: n.logical_id for n in nodes if n.logical_id}
+        result = self._result(BatchAction.REPLACE, response, members, logical)
         with self._lock:
             for instance_id in result.successful:
+                self._replaced.add(instance_id)
                 self._baselines[instance_id] = members[group_of[instance_id]]
+                if instance_id in logical:
+                    self._logical[instance_id] = logical[instance_id]
         return result
 
     def _result(
@@ -499,6 +540,7 @@ class HyperPod:
         action: BatchAction,
         response: Mapping[str, Any],
         members: Mapping[str, frozenset[str]],
+        logical_ids: Mapping[str, str] | None = None,
     ) -> BatchResult:
         result = BatchResult(
             action=action,
@@ -513,6 +555,7 @@ class HyperPod:
                 for item in response.get("Failed") or ()
             ),
             members_before=members,
+            logical_ids=dict(logical_ids or {}),
         )
         for instance_id in result.successful:
             _LOG.info(
@@ -548,27 +591,93 @@ class HyperPod:
         group: str,
         *,
         known_ids: Collection[str] | None = None,
+        logical_id: str | None = None,
+        replacing: Collection[str] = (),
+        taken: Collection[str] = (),
         timeout_s: float | None = None,
     ) -> str:
-        """Wait until ``instance_id`` left ``group`` and a new node there is ``Running``.
+        """Wait until ``instance_id`` was replaced and its successor is ``Running``; return it.
 
-        Returns the new instance id. The new node is one not in ``known_ids`` (default: the
-        members this object saw before its own replace). Without either, the first poll's
-        members serve, provided the old node is still there (otherwise
-        :class:`MissingBaseline`). Two waits never return the same new node. ``timeout_s``
-        (the incident policy's ``replacement_timeout_s``) overrides the adapter's default.
+        With a ``logical_id`` (given, or recorded by this object's replace) the successor is
+        the instance HyperPod now reports under that logical id. Without one, the accounting
+        rule of the module docstring: ``known_ids`` are the group's members before the replace
+        (default: those this object saw; else the first poll's, provided the old node is still
+        there, otherwise :class:`MissingBaseline`); ``replacing`` are other instances the
+        caller replaced too (a batch, an incident's other nodes), ``taken`` successors already
+        handed out for them. A departure from the group that is not ours, or more arrivals than
+        our departures, raises :class:`AmbiguousReplacement`. Two waits of one object never
+        return the same instance. ``timeout_s`` (the incident policy's
+        ``replacement_timeout_s``) overrides the adapter's default.
         """
         with self._lock:
             recorded = self._baselines.get(instance_id)
-        baseline: frozenset[str] | None = (
-            frozenset(known_ids) if known_ids is not None else recorded
-        )
-        target = f"{self._cluster}/{instance_id}"
+            logical = logical_id or self._logical.get(instance_id)
+            ours = {instance_id, *replacing, *self._replaced}
         limit_s = self._wait_timeout_s if timeout_s is None else timeout_s
         deadline = self._clock() + limit_s
+        if logical:
+            new_id = self._follow_logical_id(instance_id, logical, group, deadline, limit_s)
+        else:
+            baseline = frozenset(known_ids) if known_ids is not None else recorded
+            new_id = self._account(
+                instance_id, group, baseline, frozenset(ours), frozenset(taken), deadline, limit_s
+            )
+        with self._lock:
+            self._claimed.add(new_id)
+            self._baselines.pop(instance_id, None)
+            self._logical.pop(instance_id, None)
+        _LOG.info(
+            "hyperpod replaced %s by %s",
+            instance_id,
+            new_id,
+            extra={"cluster": self._cluster, "instance_id": new_id, "logical_id": logical},
+        )
+        return new_id
+
+    def _follow_logical_id(
+        self, old_id: str, logical_id: str, group: str, deadline: float, limit_s: float
+    ) -> str:
+        """The instance HyperPod reports under ``logical_id`` once it is new and ``Running``."""
+        target = f"{self._cluster}/{old_id} (logical id {logical_id})"
+        while True:
+            node = self.describe_logical(logical_id)
+            if node.group != group:
+                raise PermanentError(
+                    _SYSTEM,
+                    "wait for replacement of",
+                    target,
+                    f"the logical id is now in group {node.group}, not {group}",
+                )
+            if node.instance_id and node.instance_id != old_id and node.running:
+                return node.instance_id
+            if node.instance_id == old_id:
+                seen = f"old instance still {node.status}"
+            else:
+                seen = f"new instance {node.instance_id or '(not assigned yet)'} {node.status}"
+            if not self._pause(deadline):
+                raise WaitTimeout(
+                    _SYSTEM,
+                    "wait for replacement of",
+                    target,
+                    f"not done after {limit_s:g} s: {seen}",
+                )
+
+    def _account(
+        self,
+        old_id: str,
+        group: str,
+        baseline: frozenset[str] | None,
+        ours: frozenset[str],
+        taken: frozenset[str],
+        deadline: float,
+        limit_s: float,
+    ) -> str:
+        """The accounting rule: a new member is ours only if every departure was ours."""
+        target = f"{self._cluster}/{old_id}"
         while True:
             nodes = self.list_nodes(group)
-            old = next((n for n in nodes if n.instance_id == instance_id), None)
+            current = {n.instance_id: n for n in nodes if n.instance_id}
+            old = current.get(old_id)
             if baseline is None:
                 if old is None:
                     raise MissingBaseline(
@@ -578,15 +687,32 @@ class HyperPod:
                         "the old instance is already gone and no members of "
                         f"group {group} from before the replace are known; pass known_ids",
                     )
-                baseline = frozenset(n.instance_id for n in nodes)
+                baseline = frozenset(current)
+            with self._lock:
+                handed_out = taken | self._claimed
+            departed = baseline - set(current)
+            arrived = [n for i, n in current.items() if i not in baseline]
+            free = [n for n in arrived if n.instance_id not in handed_out]
+            foreign = sorted(departed - ours)
             if old is not None and old.status != NodeStatus.NOT_FOUND:
                 seen = f"old instance still {old.status}"
+            elif foreign or len(arrived) > len(departed):
+                raise AmbiguousReplacement(
+                    _SYSTEM,
+                    "identify the replacement of",
+                    target,
+                    f"group {group} changed beyond our replacements (also gone: "
+                    f"{foreign or 'none'}; new: {sorted(n.instance_id for n in arrived)}) and "
+                    "HyperPod links no new instance to an old one on a cluster without "
+                    "logical ids; map the new node by hand",
+                )
             else:
-                new_id = self._claim_new_node(nodes, baseline, instance_id)
-                if new_id is not None:
-                    return new_id
-                pending = [n.instance_id for n in nodes if n.instance_id not in baseline]
-                seen = f"old instance gone; new nodes not Running yet: {pending or 'none'}"
+                running = [n for n in free if n.running]
+                if running:
+                    return running[0].instance_id
+                seen = "old instance gone; new nodes not Running yet: " + (
+                    ", ".join(f"{n.instance_id} {n.status}" for n in free) or "none"
+                )
             if not self._pause(deadline):
                 raise WaitTimeout(
                     _SYSTEM,
@@ -594,29 +720,6 @@ class HyperPod:
                     target,
                     f"not done after {limit_s:g} s in group {group}: {seen}",
                 )
-
-    def _claim_new_node(
-        self, nodes: list[ClusterNode], baseline: frozenset[str], old_id: str
-    ) -> str | None:
-        """The first Running node not in ``baseline`` and not handed out before, claimed."""
-        with self._lock:
-            for node in nodes:
-                if (
-                    node.running
-                    and node.instance_id not in baseline
-                    and node.instance_id != old_id
-                    and node.instance_id not in self._claimed
-                ):
-                    self._claimed.add(node.instance_id)
-                    self._baselines.pop(old_id, None)
-                    _LOG.info(
-                        "hyperpod replaced %s by %s",
-                        old_id,
-                        node.instance_id,
-                        extra={"cluster": self._cluster, "instance_id": node.instance_id},
-                    )
-                    return node.instance_id
-        return None
 
     def wait_running(self, instance_id: str) -> ClusterNode:
         """Wait until the node is ``Running`` again (after a reboot); bounded like every wait.

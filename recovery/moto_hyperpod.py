@@ -22,16 +22,27 @@ Behaviour follows the AWS API reference and botocore's service model:
   here by a replacement do get EC2-style ids.
 * ``DescribeClusterNode`` answers ``ResourceNotFound`` (its only modelled error) for an unknown
   node or cluster, where plain moto says ``ValidationException``: a replaced node is *gone*.
-* ``NodeLogicalIds`` is accepted; moto's nodes carry no logical id, so each one comes back in
+* Logical ids (HyperPod *continuous provisioning*): a cluster created with
+  ``NodeProvisioningMode="Continuous"`` gives every node a ``NodeLogicalId``, reported by
+  ``DescribeClusterNode`` and, when ``IncludeNodeLogicalIds`` is true, by ``ListClusterNodes``;
+  ``DescribeClusterNode`` and the batch calls accept ``NodeLogicalId(s)`` in its place. The
+  reference says a logical id "persists throughout [the node's] lifecycle, from provisioning
+  request to termination" and that replacing by logical id works for nodes that have no
+  instance yet: the fake reads that as "the logical id names the node, the instance is its
+  current hardware", so a replacement's new instance carries the old one's logical id. On a
+  cluster without continuous provisioning every logical id comes back in
   ``FailedNodeLogicalIds`` as ``InstanceIdNotFound``.
 
 Lifecycles use moto's state manager (``moto.moto_api.state_manager``), the mechanism moto uses
 for every model with asynchronous status, so tests and the server's
 ``/moto-api/state-manager/set-transition`` endpoint can set how fast they go:
 
-* replace (:data:`REPLACE_MODEL`): the old node is ``ShuttingDown``; then it is gone and a node
-  with a *new* instance id is ``Pending`` in the same instance group; then that node is
-  ``Running``.
+* replace (:data:`REPLACE_MODEL`): the request is accepted while the node is still reported
+  ``Running`` (the reference promises no immediate status change: HyperPod replaces
+  asynchronously, and ``InstanceIdInUse`` — "another operation is already in progress for this
+  node" — is what a second request meets meanwhile); then the old node is ``ShuttingDown``;
+  then it is gone and a node with a *new* instance id is ``Pending`` in the same instance group;
+  then that node is ``Running``. A node is busy from the request until its replacement runs.
 * reboot (:data:`REBOOT_MODEL`): the node is ``Pending`` (the reference names no rebooting
   status), then ``Running`` with the same id.
 
@@ -77,12 +88,14 @@ __all__ = [
     "inject_throttling",
     "install",
     "is_installed",
+    "logical_id_of",
 ]
 
 _LOG = logging.getLogger(__name__)
 
 REPLACE_MODEL: Final = "sagemaker::cluster_node_replacement"
-"""State-manager model name of a node replacement (ShuttingDown → Pending → Running)."""
+"""State-manager model name of a node replacement (accepted, still Running → ShuttingDown →
+Pending → Running)."""
 
 REBOOT_MODEL: Final = "sagemaker::cluster_node_reboot"
 """State-manager model name of a node reboot (Pending → Running)."""
@@ -103,6 +116,9 @@ _MARK: Final = "__sdcguard_hyperpod__"
 _RUNNING: Final = "Running"
 _PENDING: Final = "Pending"
 _SHUTTING_DOWN: Final = "ShuttingDown"
+_ACCEPTED: Final = "Accepted"
+"""Internal phase of a replacement: requested, the node still reported ``Running``."""
+_CONTINUOUS: Final = "Continuous"
 
 # moto's server answers requests on several threads; every read-modify-write of cluster state
 # below holds this lock so a replace and a poll never interleave half-way.
@@ -145,11 +161,14 @@ class _NodeOperation(ManagedState):
 class _Replacement(_NodeOperation):
     def __init__(self, node: Any) -> None:
         super().__init__(
-            REPLACE_MODEL, [(_SHUTTING_DOWN, _PENDING), (_PENDING, _RUNNING)], node=node
+            REPLACE_MODEL,
+            [(_ACCEPTED, _SHUTTING_DOWN), (_SHUTTING_DOWN, _PENDING), (_PENDING, _RUNNING)],
+            node=node,
         )
-        node.status = _SHUTTING_DOWN
 
     def apply(self, cluster: Any, phase: str) -> None:
+        if phase == _ACCEPTED:
+            return  # accepted: HyperPod has not started on the node yet; it reports Running
         if phase == _SHUTTING_DOWN:
             self.node.status = _SHUTTING_DOWN
             return
@@ -190,7 +209,27 @@ def _spawn_like(cluster: Any, old: Any) -> Any:
         threads_per_core=old.threads_per_core,
     )
     node.launch_time = utcnow()
+    # continuous provisioning: the logical id names the node, the instance is its hardware
+    _set_logical_id(node, logical_id_of(old))
     return node
+
+
+def logical_id_of(node: Any) -> str | None:
+    """The node's ``NodeLogicalId`` (continuous provisioning), or None."""
+    value: str | None = getattr(node, "_sdcguard_logical_id", None)
+    return value
+
+
+def _set_logical_id(node: Any, logical_id: str | None) -> None:
+    node._sdcguard_logical_id = logical_id
+
+
+def _continuous(cluster: Any) -> bool:
+    return bool(getattr(cluster, "_sdcguard_continuous", False))
+
+
+def _by_logical_id(cluster: Any, logical_id: str) -> Any | None:
+    return next((n for n in cluster.nodes.values() if logical_id_of(n) == logical_id), None)
 
 
 # --- per-cluster and per-backend state ------------------------------------------------------
@@ -289,6 +328,23 @@ def _validate_batch(
 # --- backend methods (added to SageMakerModelBackend) ---------------------------------------
 
 
+def _node_verdict(cluster: Any, node: Any | None, name: str, verb: str) -> tuple[str, str] | None:
+    """Why a batch call cannot act on ``node`` (``ErrorCode``, ``Message``), or None if it can."""
+    if node is None:
+        return (
+            "InstanceIdNotFound",
+            f"Instance {name} does not exist in cluster {cluster.cluster_name}.",
+        )
+    if any(node.instance_id in op.busy_ids() for op in _operations(cluster)):
+        return (
+            "InstanceIdInUse",
+            f"Another operation is already in progress for instance {node.instance_id}.",
+        )
+    if node.status != _RUNNING:
+        return "InvalidInstanceStatus", f"Instance {name} is {node.status}; cannot {verb} it now."
+    return None
+
+
 def _batch_node_action(
     backend: Any,
     cluster_name: str | None,
@@ -302,43 +358,50 @@ def _batch_node_action(
     with _STATE_LOCK:
         cluster = _cluster_or_not_found(backend, cluster_name)
         _reconcile(cluster)
+
+        def act(node: Any) -> None:
+            _operations(cluster).append(start(node))
+            _LOG.info(
+                "fake HyperPod started %s of %s",
+                verb,
+                node.instance_id,
+                extra={"cluster": cluster.cluster_name, "node": node.instance_id},
+            )
+
         successful: list[str] = []
         failed: list[dict[str, str]] = []
         for node_id in node_ids or ():
-            node = cluster.nodes.get(node_id)
-            busy = any(node_id in op.busy_ids() for op in _operations(cluster))
-            if node is None:
-                code = "InstanceIdNotFound"
-                message = f"Instance {node_id} does not exist in cluster {cluster.cluster_name}."
-            elif busy:
-                code = "InstanceIdInUse"
-                message = f"Another operation is already in progress for instance {node_id}."
-            elif node.status != _RUNNING:
-                code = "InvalidInstanceStatus"
-                message = f"Instance {node_id} is {node.status}; cannot {verb} it now."
-            else:
-                _operations(cluster).append(start(node))
+            refused = _node_verdict(cluster, cluster.nodes.get(node_id), node_id, verb)
+            if refused is None:
+                act(cluster.nodes[node_id])
                 successful.append(node_id)
-                _LOG.info(
-                    "fake HyperPod started %s of %s",
-                    verb,
-                    node_id,
-                    extra={"cluster": cluster.cluster_name, "node": node_id},
-                )
-                continue
-            failed.append({"NodeId": node_id, "ErrorCode": code, "Message": message})
+            else:
+                failed.append({"NodeId": node_id, "ErrorCode": refused[0], "Message": refused[1]})
         result: dict[str, Any] = {"Successful": successful, "Failed": failed}
         if logical_ids is not None:
-            result["SuccessfulNodeLogicalIds"] = []
-            result["FailedNodeLogicalIds"] = [
-                {
-                    "NodeLogicalId": logical_id,
-                    "ErrorCode": "InstanceIdNotFound",
-                    "Message": f"Node {logical_id} does not exist in cluster "
-                    f"{cluster.cluster_name}.",
-                }
-                for logical_id in logical_ids
-            ]
+            done: list[str] = []
+            refusals: list[dict[str, str]] = []
+            for logical_id in logical_ids:
+                node = _by_logical_id(cluster, logical_id) if _continuous(cluster) else None
+                refused = _node_verdict(cluster, node, logical_id, verb)
+                if node is None:
+                    refused = (
+                        "InstanceIdNotFound",
+                        f"Node {logical_id} does not exist in cluster {cluster.cluster_name}.",
+                    )
+                if refused is None:
+                    act(node)
+                    done.append(logical_id)
+                else:
+                    refusals.append(
+                        {
+                            "NodeLogicalId": logical_id,
+                            "ErrorCode": refused[0],
+                            "Message": refused[1],
+                        }
+                    )
+            result["SuccessfulNodeLogicalIds"] = done
+            result["FailedNodeLogicalIds"] = refusals
         return result
 
 
@@ -362,19 +425,36 @@ def _backend_batch_reboot_cluster_nodes(
     return _batch_node_action(self, cluster_name, node_ids, node_logical_ids, _Reboot, "reboot")
 
 
-def _backend_describe_cluster_node(self: Any, cluster_name: str, node_id: str) -> dict[str, Any]:
-    """moto's describe, plus lifecycles and the modelled ``ResourceNotFound`` for unknown ids."""
+def _backend_describe_cluster_node(
+    self: Any, cluster_name: str, node_id: str | None, node_logical_id: str | None = None
+) -> dict[str, Any]:
+    """moto's describe, plus lifecycles, logical ids and the modelled ``ResourceNotFound``."""
+    if (node_id is None) == (node_logical_id is None):
+        raise AWSValidationException(
+            "You can specify either NodeLogicalId or InstanceId, but not both."
+            if node_id is not None
+            else "Either NodeId or NodeLogicalId must be provided."
+        )
     with _STATE_LOCK:
         cluster = _cluster_or_not_found(self, cluster_name)
         _reconcile(cluster)
-        node = cluster.nodes.get(node_id)
+        if node_logical_id is not None:
+            node = _by_logical_id(cluster, node_logical_id)
+        else:
+            node = cluster.nodes.get(node_id)
         if node is None:
             raise ResourceNotFound(
-                message=f"Node {node_id} not found in cluster {cluster.cluster_name}."
+                message=f"Node {node_id or node_logical_id} not found in cluster "
+                f"{cluster.cluster_name}."
             )
-        details: dict[str, Any] = node.describe()
+        details: dict[str, Any] = _with_logical_id(node.describe(), node)
         _advance(cluster)
         return details
+
+
+def _with_logical_id(data: dict[str, Any], node: Any) -> dict[str, Any]:
+    logical_id = logical_id_of(node)
+    return data if logical_id is None else {**data, "NodeLogicalId": logical_id}
 
 
 def _wrap_list_cluster_nodes(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -443,17 +523,53 @@ def _response_batch_reboot_cluster_nodes(self: Any) -> Any:
     return ActionResult(result)
 
 
-def _counted(operation: str, original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def handler(self: Any) -> Any:
-        throttled = _admit(self, operation)
-        if throttled is not None:
-            return throttled
-        return original(self)
+def _response_describe_cluster_node(self: Any) -> Any:
+    throttled = _admit(self, "DescribeClusterNode")
+    if throttled is not None:
+        return throttled
+    details = self.sagemaker_backend.describe_cluster_node(
+        cluster_name=self._get_param("ClusterName"),
+        node_id=self._get_param("NodeId"),
+        node_logical_id=self._get_param("NodeLogicalId"),
+    )
+    return ActionResult({"NodeDetails": details})
 
-    handler.__name__ = original.__name__
-    handler.__qualname__ = original.__qualname__
-    setattr(handler, _MARK, True)
-    return handler
+
+def _response_list_cluster_nodes(self: Any) -> Any:
+    """moto's list (its filters, sorting and errors), plus ``IncludeNodeLogicalIds``."""
+    throttled = _admit(self, "ListClusterNodes")
+    if throttled is not None:
+        return throttled
+    nodes, next_token = self.sagemaker_backend.list_cluster_nodes(
+        cluster_name=self._get_param("ClusterName"),
+        creation_time_after=self._get_param("CreationTimeAfter"),
+        creation_time_before=self._get_param("CreationTimeBefore"),
+        instance_group_name_contains=self._get_param("InstanceGroupNameContains"),
+        max_results=self._get_param("MaxResults"),
+        next_token=self._get_param("NextToken"),
+        sort_by=self._get_param("SortBy"),
+        sort_order=self._get_param("SortOrder"),
+    )
+    include = bool(self._get_param("IncludeNodeLogicalIds"))
+    summaries = [_with_logical_id(n.summary(), n) if include else n.summary() for n in nodes]
+    return ActionResult({"NextToken": next_token, "ClusterNodeSummaries": summaries})
+
+
+def _wrap_create_cluster(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """moto's create, plus ``NodeProvisioningMode="Continuous"``: a logical id per node."""
+
+    def create_cluster(self: Any) -> Any:
+        answer = original(self)
+        if self._get_param("NodeProvisioningMode") == _CONTINUOUS:
+            with _STATE_LOCK:
+                cluster = self.sagemaker_backend.clusters[self._get_param("ClusterName")]
+                cluster._sdcguard_continuous = True
+                for node in cluster.nodes.values():
+                    _set_logical_id(node, f"lid-{mock_random.get_random_hex(16)}")
+        return answer
+
+    setattr(create_cluster, _MARK, True)
+    return create_cluster
 
 
 def _marked(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -488,12 +604,9 @@ def install() -> None:
         backend_cls.list_cluster_nodes = _wrap_list_cluster_nodes(backend_cls.list_cluster_nodes)
 
         response_cls: Any = SageMakerResponse
-        response_cls.describe_cluster_node = _counted(
-            "DescribeClusterNode", response_cls.describe_cluster_node
-        )
-        response_cls.list_cluster_nodes = _counted(
-            "ListClusterNodes", response_cls.list_cluster_nodes
-        )
+        response_cls.describe_cluster_node = _marked(_response_describe_cluster_node)
+        response_cls.list_cluster_nodes = _marked(_response_list_cluster_nodes)
+        response_cls.create_cluster = _wrap_create_cluster(response_cls.create_cluster)
         response_cls.batch_reboot_cluster_nodes = _marked(_response_batch_reboot_cluster_nodes)
         # Last: is_installed() looks at this one.
         response_cls.batch_replace_cluster_nodes = _marked(_response_batch_replace_cluster_nodes)

@@ -4,7 +4,8 @@ Invariants: an action's idempotency key is ``incident:kind:target``; of concurre
 exactly one wins; a succeeded action is never won again, a failed one may be, one attempt more.
 A claim names its *owner* (the flow run) and a lease: the owner may continue its own claim (a
 task retry, a suspended run re-entered), and another run wins a claimed action only once the
-lease has expired — a *takeover*, recorded in the trail with the previous owner. A run that
+lease has expired, or at once when the caller shows the owner is dead (its flow run crashed or
+is gone) — a *takeover*, recorded in the trail with the previous owner and why. A run that
 lost its claim can neither finish it nor pass :meth:`ActionsMixin.hold_claim`, which every
 destructive call is preceded by. Every won claim and every outcome appends a row to the trail.
 """
@@ -39,6 +40,8 @@ class ActionsMixin(LedgerBase):
         *,
         owner: str | None = None,
         lease_s: float | None = None,
+        dead_owner: str | None = None,
+        dead_reason: str | None = None,
     ) -> ActionClaim:
         """Claim the right to perform one side effect of an incident, exactly once.
 
@@ -51,6 +54,10 @@ class ActionsMixin(LedgerBase):
         won again by its own owner (one attempt more), or by another owner once the lease has
         expired (a takeover: the event's detail names ``taken_over_from``); an ownerless claim
         (before owners existed) is taken over by any owner. Without ``owner`` the old rule holds.
+
+        ``dead_owner``: the caller found that this owner is dead (``dead_reason`` says how, e.g.
+        "flow run Crashed"); a claim it holds is taken over without waiting for its lease, and
+        the takeover event records the reason. A claim by anyone else is unaffected.
         """
         _require_text("incident_id", incident_id, max_len=36)
         _require_text("kind", kind, max_len=64)
@@ -83,7 +90,7 @@ class ActionsMixin(LedgerBase):
                 s.add(row)
                 s.flush()
             elif row.status == ActionStatus.FAILED or (
-                row.status == ActionStatus.CLAIMED and _may_take(row, owner, now)
+                row.status == ActionStatus.CLAIMED and _may_take(row, owner, now, dead_owner)
             ):
                 if row.status == ActionStatus.CLAIMED and row.owner != owner:
                     event_detail = {
@@ -95,6 +102,8 @@ class ActionsMixin(LedgerBase):
                             else row.lease_expires_at.isoformat()
                         ),
                     }
+                    if dead_owner is not None and row.owner == dead_owner:
+                        event_detail["owner_dead"] = dead_reason or "owner is dead"
                 row.status = ActionStatus.CLAIMED
                 row.attempts += 1
                 row.started_at = now
@@ -206,11 +215,14 @@ class ActionsMixin(LedgerBase):
         return self._read("action_events", work)
 
 
-def _may_take(row: ActionRow, owner: str | None, now: datetime) -> bool:
-    """Whether ``owner`` may win a claimed action: its own, ownerless, or its lease expired."""
+def _may_take(row: ActionRow, owner: str | None, now: datetime, dead: str | None) -> bool:
+    """Whether ``owner`` may win a claimed action: its own, ownerless, its holder shown dead,
+    or its lease expired."""
     if owner is None:
         return False
     if row.owner is None or row.owner == owner:
+        return True
+    if dead is not None and row.owner == dead:
         return True
     return row.lease_expires_at is not None and row.lease_expires_at <= now
 

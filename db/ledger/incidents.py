@@ -4,12 +4,16 @@ Invariants: at most one non-terminal incident per job; every move is legal by
 :func:`db.enums.can_transition` and appends a row to the incident's history; a terminal
 incident's record is final — except that an operator may *retry* a ``failed`` or ``expired``
 one (:meth:`IncidentsMixin.retry_incident`): it goes back to the live state it left, in the
-history like any move, and a new flow run continues it from the ledger.
+history like any move, and a new flow run continues it from the ledger. A recorded decision
+that nothing has acted on yet may be *withdrawn* (:meth:`IncidentsMixin.withdraw_decision`):
+the incident stays ``awaiting_approval``, a human is asked again, and the history says who
+withdrew what and why.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -264,18 +268,145 @@ class IncidentsMixin(LedgerBase):
         )
         return view
 
+    def withdraw_decision(self, incident_id: str, *, by: str, reason: str) -> IncidentView:
+        """Withdraw the recorded decision of an incident still ``awaiting_approval``.
+
+        For a decision nothing has acted on yet — e.g. the policy's automatic approval, when
+        alarms that arrived since make it a storm. The decision, its approver and the request
+        put to the approver are cleared and the approval stage reopened, so the next run asks a
+        human afresh (new nodes, new deadline); the incident never leaves
+        ``awaiting_approval``. The history row carries ``{"withdrawn": {decision, approver,
+        nodes}, "by": by}``. Refused (:class:`IllegalTransition`) in any other state or with no
+        decision recorded: a decision the fix already acted on cannot be taken back.
+        """
+        who = _require_text("by", by, max_len=255)
+        why = _require_text("reason", reason, max_len=2000)
+
+        def work(s: Session) -> IncidentView:
+            row = _require_incident(s, incident_id, lock=True)
+            current = row.state
+            if current != IncidentState.AWAITING_APPROVAL or row.decision is None:
+                raise IllegalTransition(
+                    incident_id,
+                    current,
+                    current,
+                    "only a decision recorded while awaiting approval can be withdrawn",
+                )
+            evidence = dict(row.evidence or {})
+            withdrawn = {
+                "decision": row.decision,
+                "approver": row.approver,
+                "nodes": list((evidence.get("approval") or {}).get("nodes") or []),
+            }
+            now = self._clock()
+            row.decision = row.approver = row.approval_reason = None
+            row.decided_at = None
+            row.evidence = {
+                k: v for k, v in evidence.items() if k not in ("approval", "approval_request")
+            }
+            _reopen_stage(s, row.id, "approval", now, outcome=f"decision withdrawn: {why}")
+            row.reason = f"decision withdrawn by {who}: {why}"
+            row.updated_at = now
+            s.add(
+                IncidentEventRow(
+                    incident_id=row.id,
+                    from_state=current,
+                    to_state=current,
+                    reason=row.reason,
+                    detail={"withdrawn": withdrawn, "by": who},
+                    at=now,
+                )
+            )
+            s.flush()
+            return _incident_view(s, row)
+
+        view = self._write("withdraw_decision", work)
+        _log.info(
+            "decision withdrawn",
+            extra={"incident": incident_id, "job": view.job_id, "by": who},
+        )
+        return view
+
+    def expire_overdue_approval(
+        self, incident_id: str, *, grace_s: float = 0.0, reason: str | None = None
+    ) -> IncidentView | None:
+        """Close ``expired`` an incident whose approval deadline passed with no decision.
+
+        For a suspended approval: when its pause times out Prefect fails the suspended run
+        without running any of its code, so nothing else would close the incident. Atomic
+        with the decision: only an incident still ``awaiting_approval``, with no decision and
+        a recorded request whose deadline is more than ``grace_s`` past, is closed (the
+        decision ``expire`` recorded with it, as the flow records it); anything else is left
+        alone and None returned.
+        """
+        if grace_s < 0:
+            raise InvalidValue(f"grace_s must be >= 0, not {grace_s!r}")
+
+        def work(s: Session) -> IncidentView | None:
+            row = _require_incident(s, incident_id, lock=True)
+            request = (row.evidence or {}).get("approval_request") or {}
+            if (
+                row.state != IncidentState.AWAITING_APPROVAL
+                or row.decision is not None
+                or not request.get("deadline")
+            ):
+                return None
+            deadline = datetime.fromisoformat(str(request["deadline"]))
+            now = self._clock()
+            if now < deadline + timedelta(seconds=grace_s):
+                return None
+            why = reason or (
+                f"no decision by the deadline {deadline.isoformat()}: nodes stay cordoned, "
+                "nothing replaced, training stays stopped"
+            )
+            record = {
+                "decision": "expire",
+                "approver": None,
+                "reason": why,
+                "uncordon_on_reject": False,
+                "nodes": [],
+            }
+            row.decision = "expire"
+            row.approval_reason = why
+            row.decided_at = now
+            row.evidence = {**(row.evidence or {}), "approval": record}
+            row.state = IncidentState.EXPIRED
+            row.reason = why
+            row.closed_at = row.updated_at = now
+            s.add(
+                IncidentEventRow(
+                    incident_id=row.id,
+                    from_state=IncidentState.AWAITING_APPROVAL,
+                    to_state=IncidentState.EXPIRED,
+                    reason=why,
+                    detail={"decision": "expire", "deadline": deadline.isoformat()},
+                    at=now,
+                )
+            )
+            s.flush()
+            return _incident_view(s, row)
+
+        view = self._write("expire_overdue_approval", work)
+        if view is not None:
+            _log.info(
+                "overdue approval expired", extra={"incident": incident_id, "job": view.job_id}
+            )
+        return view
+
 
 _RETRYABLE = frozenset({IncidentState.FAILED, IncidentState.EXPIRED})
 
 
-def _reopen_stage(s: Session, incident_id: str, stage: str, now: Any) -> None:
+def _reopen_stage(
+    s: Session, incident_id: str, stage: str, now: Any, *, outcome: str = "reopened by a retry"
+) -> None:
     """Mark a succeeded stage ``failed`` ("reopened"), so the next run performs it again."""
     row = s.get(ActionRow, f"{incident_id}:stage:{stage}")
     if row is None or row.status != ActionStatus.SUCCEEDED:
         return
     row.status = ActionStatus.FAILED
     row.finished_at = now
-    detail = {"outcome": "reopened by a retry", "reopened": True}
+    detail = {"outcome": outcome, "reopened": True}
     row.detail = {**(row.detail or {}), **detail}
     s.add(
         ActionEventRow(

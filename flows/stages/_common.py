@@ -22,6 +22,7 @@ from prefect.exceptions import Pause
 from prefect.states import State
 
 from db import (
+    ActionClaim,
     ActionStatus,
     AlarmView,
     ClaimLost,
@@ -31,7 +32,7 @@ from db import (
     Verdict,
     can_transition,
 )
-from flows.coordination import CoordinationSettings, claim_owner
+from flows.coordination import CoordinationSettings, claim_owner, dead_owner_reason
 from flows.policy import IncidentPolicy
 from flows.report import STAGE_KIND
 from flows.wiring import Backends, current_backends
@@ -119,9 +120,7 @@ def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome
     """
     ledger = current_backends().ledger
     owner = claim_owner()
-    claim = ledger.claim_action(
-        incident_id, STAGE_KIND, stage.value, owner=owner, lease_s=_lease_s()
-    )
+    claim = _claim(incident_id, STAGE_KIND, stage.value, None, owner, _lease_s())
     extra = log_extra(incident_id, stage)
     if not claim.won and claim.action.status is ActionStatus.SUCCEEDED:
         log.info("stage %s already done; not repeated", stage, extra=extra)
@@ -159,6 +158,48 @@ def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome
 
 def _lease_s() -> float:
     return CoordinationSettings().claim_lease_s
+
+
+def _claim(
+    incident_id: str,
+    kind: str,
+    target: str,
+    detail: dict[str, Any] | None,
+    owner: str,
+    lease_s: float,
+) -> ActionClaim:
+    """Claim an action; a claim held by a flow run that is dead is taken over at once.
+
+    A SIGKILLed run cannot release its claims; waiting out their lease would stall the
+    incident. Prefect says whether the holder's run is finished or unknown
+    (:func:`flows.coordination.dead_owner_reason`); the takeover event records why.
+    """
+    ledger = current_backends().ledger
+    claim = ledger.claim_action(incident_id, kind, target, detail, owner=owner, lease_s=lease_s)
+    holder = claim.action.owner
+    if claim.won or claim.action.status is not ActionStatus.CLAIMED or holder in (None, owner):
+        return claim
+    assert holder is not None
+    why = dead_owner_reason(holder)
+    if why is None:
+        return claim
+    log.warning(
+        "taking over %s from %s (%s)",
+        claim.action.key,
+        holder,
+        why,
+        extra=log_extra(incident_id, kind, previous_owner=holder),
+    )
+    return ledger.claim_action(
+        incident_id,
+        kind,
+        target,
+        detail,
+        owner=owner,
+        lease_s=lease_s,
+        dead_owner=holder,
+        dead_reason=why,
+    )
 
 
 def _release(key: str, owner: str, signal: BaseException, extra: dict[str, Any]) -> None:
@@ -206,9 +247,7 @@ def perform(
     ledger = current_backends().ledger
     owner = claim_owner()
     lease_s = _lease_s()
-    claim = ledger.claim_action(
-        incident_id, kind.value, target, detail, owner=owner, lease_s=lease_s
-    )
+    claim = _claim(incident_id, kind.value, target, detail, owner, lease_s)
     action = claim.action
     on_job = kind in (Action.STOP_JOB, Action.RESUME)
     extra = log_extra(incident_id, kind.value, **{"job" if on_job else "node": target})

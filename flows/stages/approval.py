@@ -198,9 +198,9 @@ def withdraw_automatic(incident_id: str, policy: IncidentPolicy, decision: Decis
 
     The storm guard runs again with the alarms known now (they may have arrived after the
     approval, e.g. while waiting for the fleet-wide slot). If it trips, the policy's approval
-    is withdrawn — the incident is closed ``expired`` with the reason and at once reopened
-    for a human (as ``sdcguard incident retry`` would: decision and request cleared, the
-    approval stage reopened) — and True is returned: the caller asks a human. A human's
+    is withdrawn (:meth:`db.Ledger.withdraw_decision`: decision and request cleared, the
+    approval stage reopened, the incident still awaiting approval) and True is returned: the
+    caller asks a human. A human's
     decision is never withdrawn (later alarms are new evidence, never a silent change of what
     was approved), nor one whose fix already began (the incident left ``awaiting_approval``).
     """
@@ -214,8 +214,7 @@ def withdraw_automatic(incident_id: str, policy: IncidentPolicy, decision: Decis
     storm = b.ledger.get_incident(incident_id).storm_reason or "alarm storm"
     reason = f"automatic approval withdrawn before the fix: {storm}"
     log.warning("%s", reason, extra={"incident": incident_id, "stage": Stage.APPROVAL.value})
-    b.ledger.transition(incident_id, IncidentState.EXPIRED, reason=reason)
-    b.ledger.retry_incident(incident_id, by="storm guard", reason="a human must approve: " + reason)
+    b.ledger.withdraw_decision(incident_id, by="storm guard", reason=reason)
     return True
 
 

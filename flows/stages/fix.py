@@ -1,8 +1,13 @@
 """The fix stage: replace the faulty node through HyperPod, or reboot it, as the policy says.
 
-A replacement's plan (instance, group, members before) is stored with the claim before the
-call, because after the replacement the node is gone; a repeat looks at the instance's status
-before asking HyperPod again.
+A replacement's plan (instance, its logical id where the cluster has one, group, members
+before) is stored with the claim before the call, because after the replacement the node is
+gone; a repeat looks at the instance's status before asking HyperPod again, and an
+``InstanceIdInUse`` on a repeat means "already replacing" — it converges on the one
+replacement. The new node is the one HyperPod reports under the old node's logical id, or, on a
+cluster without logical ids, the one the accounting rule of :mod:`recovery.hyperpod` proves
+ours; never merely "the first new node". The wait is bounded by the policy's
+``replacement_timeout_s``.
 """
 
 from __future__ import annotations
@@ -48,9 +53,25 @@ def _replacement_plan(b: Backends, incident_id: str, node: str) -> dict[str, Any
     if info.instance_id:
         labels.setdefault(INSTANCE_ID_LABEL, info.instance_id)
     instance_id = b.hyperpod.instance_for(node, labels)
-    group = b.hyperpod.describe(instance_id).group
-    members = sorted(n.instance_id for n in b.hyperpod.list_nodes(group))
-    return {"node": node, "instance_id": instance_id, "group": group, "members_before": members}
+    described = b.hyperpod.describe(instance_id)
+    group = described.group
+    members = sorted(n.instance_id for n in b.hyperpod.list_nodes(group) if n.instance_id)
+    return {
+        "node": node,
+        "instance_id": instance_id,
+        "logical_id": described.logical_id,
+        "group": group,
+        "members_before": members,
+    }
+
+
+def _taken(b: Backends, incident_id: str) -> set[str]:
+    """New instances this incident's finished replacements already took (never twice)."""
+    return {
+        str(a.detail["new_instance_id"])
+        for a in b.ledger.actions(incident_id)
+        if a.kind == Action.REPLACE.value and a.detail and a.detail.get("new_instance_id")
+    }
 
 
 def _status(b: Backends, instance_id: str) -> str:
@@ -60,7 +81,9 @@ def _status(b: Backends, instance_id: str) -> str:
         return NodeStatus.NOT_FOUND.value
 
 
-def _replace(b: Backends, plan: dict[str, Any], timeout_s: float, first: bool) -> dict[str, Any]:
+def _replace(
+    b: Backends, plan: dict[str, Any], timeout_s: float, taken: set[str], first: bool
+) -> dict[str, Any]:
     """Replace once, converging after a crash: on a later attempt HyperPod may already be
     replacing the instance while still reporting it ``Running``; its ``InstanceIdInUse`` then
     means "already replacing" — we wait for that replacement instead of failing."""
@@ -84,7 +107,12 @@ def _replace(b: Backends, plan: dict[str, Any], timeout_s: float, first: bool) -
         except AlreadyReplacing:
             log.warning("%s is already being replaced; waiting for it", node, extra=extra)
     new_instance = b.hyperpod.wait_replaced(
-        instance_id, group, known_ids=frozenset(plan["members_before"]), timeout_s=timeout_s
+        instance_id,
+        group,
+        known_ids=frozenset(plan["members_before"]),
+        logical_id=plan.get("logical_id"),
+        taken=taken,
+        timeout_s=timeout_s,
     )
     new_node = b.directory.joined(node, new_instance)
     return {"new_instance_id": new_instance, "new_node": new_node}
@@ -116,7 +144,13 @@ def fix_nodes(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
                 incident_id,
                 Action.REPLACE,
                 node,
-                functools.partial(_replace, b, plan, float(policy.replacement_timeout_s)),
+                functools.partial(
+                    _replace,
+                    b,
+                    plan,
+                    float(policy.replacement_timeout_s),
+                    _taken(b, incident_id),
+                ),
                 detail=plan,
             )
             replaced.append(

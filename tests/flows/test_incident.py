@@ -43,6 +43,7 @@ from flows.policy import IncidentPolicy, NodeAction
 from flows.recovery_settings import PolicySettings
 from flows.report import STAGE_KIND, incident_summary
 from flows.retry import retry_incident
+from flows.stages import AUTO_APPROVER
 from flows.trigger import RecordingTrigger
 from flows.wiring import Backends, LocalJobCatalog, LocalNodeDirectory, use_backends
 from recovery import moto_hyperpod
@@ -505,13 +506,13 @@ def test_rejected_incident_replaces_nothing_and_uncordons_only_when_asked(
 
 
 def test_no_decision_in_time_expires_and_leaves_the_node_cordoned(site: Site) -> None:
-    policy = FAST.model_copy(update={"approval_timeout_s": 2})
+    policy = FAST.model_copy(update={"approval_timeout_s": 1})
     summary = site.respond(policy)
 
     incident = site.incident()
     assert incident.state is IncidentState.EXPIRED
     assert incident.decision == "expire"
-    assert "no decision within 2 s" in (incident.reason or "")
+    assert "no decision within 1 s" in (incident.reason or "")
     assert "nodes stay cordoned" in (incident.reason or "")
     assert site.cluster.node(FAULTY).unschedulable
     assert [v for v, _ in site.effects.done] == ["stop", "cordon", "taint"]
@@ -519,7 +520,10 @@ def test_no_decision_in_time_expires_and_leaves_the_node_cordoned(site: Site) ->
     assert summary["replaced"] == []
 
 
-def test_auto_approval_takes_a_hardware_verdict_backed_by_a_ring_audit(site: Site) -> None:
+def test_auto_approval_takes_a_hardware_verdict_and_a_rerun_of_the_closed_incident_changes_nothing(
+    site: Site,
+) -> None:
+    """One run read twice (a run costs seconds): the policy's approval, then a re-run."""
     summary = site.run(AUTO)
 
     incident = site.incident()
@@ -528,13 +532,18 @@ def test_auto_approval_takes_a_hardware_verdict_backed_by_a_ring_audit(site: Sit
     assert "ring audit" in (incident.approval_reason or "")
     assert summary["resumed_from_step"] == 29
 
+    before = (site.incident().to_dict(), list(site.effects.done))
+    again = site.run(AUTO)
+    assert (site.incident().to_dict(), list(site.effects.done)) == before
+    assert again["state"] == "resolved"
+
 
 def test_a_run_parameter_cannot_turn_on_auto_approval_the_server_forbids(
     tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
 ) -> None:
     # the worker's SDCGUARD_POLICY_AUTO_APPROVE is off (the default); the run asks for it anyway
     site = build_site(tmp_path, sqlite_ledger, local_aws, limits=PolicySettings())
-    summary = site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+    summary = site.respond(AUTO.model_copy(update={"approval_timeout_s": 1}))
 
     incident = site.incident()
     assert incident.state is IncidentState.EXPIRED
@@ -550,7 +559,7 @@ def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(
 ) -> None:
     site = build_site(tmp_path, sqlite_ledger, local_aws, suspects=["node-1", "node-2", "node-3"])
     try:
-        policy = AUTO.model_copy(update={"approval_timeout_s": 2})
+        policy = AUTO.model_copy(update={"approval_timeout_s": 1})
         site.respond(policy)
         incident = site.incident()
         assert incident.storm
@@ -586,7 +595,7 @@ def test_alarms_arriving_during_diagnosis_make_a_storm_before_auto_approval(
     replay = AlarmingReplay({FAULTY: 33}, sqlite_ledger, ["node-0", "node-1"])
     site = build_site(tmp_path, sqlite_ledger, local_aws, replay=replay)
     try:
-        site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+        site.respond(AUTO.model_copy(update={"approval_timeout_s": 1}))
         incident = site.incident()
         # triage saw one node (no storm: node-2 was cordoned); the approval saw three of four
         assert incident.storm
@@ -620,7 +629,7 @@ def test_the_storm_guard_runs_again_before_the_fix_and_withdraws_an_automatic_ap
             claim.action.key, ActionStatus.FAILED, {"outcome": "zombie gone"}, owner=zombie
         )
 
-        summary = site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+        summary = site.respond(AUTO.model_copy(update={"approval_timeout_s": 1}))
 
         incident = site.incident()
         if not late_alarms:  # the clean run: the policy's approval stands, node-2 is replaced
@@ -629,10 +638,16 @@ def test_the_storm_guard_runs_again_before_the_fix_and_withdraws_an_automatic_ap
             return
         assert incident.storm
         assert "3 of the job's 4 nodes" in (incident.storm_reason or "")
-        assert any(
-            "automatic approval withdrawn before the fix" in (e.reason or "")
-            for e in incident.history
-        )
+        (withdrawn,) = [e for e in incident.history if (e.detail or {}).get("withdrawn")]
+        assert "automatic approval withdrawn before the fix" in (withdrawn.reason or "")
+        assert withdrawn.detail == {
+            "withdrawn": {"decision": "approve", "approver": AUTO_APPROVER, "nodes": [FAULTY]},
+            "by": "storm guard",
+        }
+        assert withdrawn.to_state is IncidentState.AWAITING_APPROVAL
+        # the trail reads as it happened: withdrawn, then a human asked; no retry, one expiry
+        assert not any((e.detail or {}).get("retry") for e in incident.history)
+        assert [e.to_state for e in incident.history].count(IncidentState.EXPIRED) == 1
         # a human was asked (and did not answer in time): nothing was replaced
         assert incident.state is IncidentState.EXPIRED
         assert incident.approver is None
@@ -676,7 +691,7 @@ def test_a_culprit_unknown_alarm_cordons_nothing_and_asks_a_human(
     """Two replicas differ and neither is named: the reporter (node-0) is no suspect either."""
     site = build_site(tmp_path, sqlite_ledger, local_aws, suspects=[])
     try:
-        site.respond(AUTO.model_copy(update={"approval_timeout_s": 2}))
+        site.respond(AUTO.model_copy(update={"approval_timeout_s": 1}))
         incident = site.incident()
         assert (incident.evidence or {}).get("culprit_unknown") is True
         assert not any(site.cluster.node(n).unschedulable for n in NODES + SPARES)
@@ -794,14 +809,6 @@ def test_a_corrupt_newest_checkpoint_is_marked_and_the_next_older_one_is_used(si
     assert summary["resumed_checkpoint"] == str(site.checkpoints[19])
     launch = site.job_record()["launches"][-1]
     assert str(site.checkpoints[19]) in launch["args"]
-
-
-def test_rerun_of_a_closed_incident_changes_nothing(site: Site) -> None:
-    site.run(AUTO)
-    before = (site.incident().to_dict(), list(site.effects.done))
-    again = site.run(AUTO)
-    assert (site.incident().to_dict(), list(site.effects.done)) == before
-    assert again["state"] == "resolved"
 
 
 def _harness_args(tmp: Path, name: str, inject: list[str]) -> list[str]:
@@ -952,24 +959,26 @@ class CrashingOnce:
         return call
 
 
-@pytest.mark.parametrize(("backend", "method"), [("telemetry", "collect"), ("replay", "replay")])
-def test_a_crash_inside_a_read_only_stage_is_continued_by_a_rerun(
-    site: Site, backend: str, method: str
-) -> None:
-    wrapped = CrashingOnce(getattr(site.backends, backend), method)
-    changes: dict[str, Any] = {backend: wrapped}
-    site.backends = dataclasses.replace(site.backends, **changes)
-    with pytest.raises(Crash):
-        site.run(AUTO)
-    stage = "telemetry" if backend == "telemetry" else "replay"
-    stuck = next(a for a in site.incident().actions if a.key.endswith(f":stage:{stage}"))
-    # the signal passed every `except Exception`, and the stage was released on its way out
-    assert stuck.status is ActionStatus.FAILED
-    assert (stuck.detail or {}).get("interrupted") == "Crash"
+def test_a_crash_inside_a_read_only_stage_is_continued_by_a_rerun(site: Site) -> None:
+    """The telemetry stage dies, then (next run) the replay stage: each is continued."""
+    wrapped = {
+        "telemetry": CrashingOnce(site.backends.telemetry, "collect"),
+        "replay": CrashingOnce(site.backends.replay, "replay"),
+    }
+    site.backends = dataclasses.replace(
+        site.backends, telemetry=wrapped["telemetry"], replay=wrapped["replay"]
+    )
+    for stage in ("telemetry", "replay"):
+        with pytest.raises(Crash):
+            site.run(AUTO)
+        stuck = next(a for a in site.incident().actions if a.key.endswith(f":stage:{stage}"))
+        # the signal passed every `except Exception`, and the stage was released on its way out
+        assert stuck.status is ActionStatus.FAILED
+        assert (stuck.detail or {}).get("interrupted") == "Crash"
 
     summary = site.run(AUTO)
     assert summary["state"] == "resolved"
-    assert wrapped.calls > 1
+    assert all(w.calls > 1 for w in wrapped.values())
     keys = _keys(site)
     assert len(keys) == len(set(keys))
     assert sorted(site.effects.done) == sorted(

@@ -18,6 +18,7 @@ from db import (
     IncidentConflict,
     IncidentState,
     Ledger,
+    RankIn,
 )
 from db.ledger.incidents import retry_count
 from flows.cli import app
@@ -129,3 +130,52 @@ def test_the_cli_retries_and_prints_json(webhook: Webhook, database_url: str) ->
     again = runner.invoke(app, [*args, "--run", "none"])
     assert again.exit_code == 0  # reopened already: the same retry's run is started again
     assert webhook.ledger.get_incident(incident_id).state is IncidentState.REPLACING
+
+
+def test_a_withdrawn_decision_goes_back_to_a_human_and_says_so(ledger: Ledger) -> None:
+    ledger.register_ranks(JOB, [RankIn(0, 0, "node-1")])
+    incident = ledger.open_incident(JOB, start=10, end=20, suspect_nodes=["node-1"])
+    ledger.transition(incident.id, IncidentState.AWAITING_APPROVAL, reason="waiting")
+    with pytest.raises(IllegalTransition):  # nothing decided yet: nothing to withdraw
+        ledger.withdraw_decision(incident.id, by="storm guard", reason="storm")
+    stage = ledger.claim_action(incident.id, "stage", "approval")
+    ledger.finish_action(stage.action.key, ActionStatus.SUCCEEDED, {"decision": "approve"})
+    ledger.transition(
+        incident.id,
+        IncidentState.AWAITING_APPROVAL,
+        decision="approve",
+        approver="policy:auto-approve",
+        approval_reason="hardware verdict",
+        evidence={
+            "approval": {"decision": "approve", "nodes": ["node-1"]},
+            "approval_request": {"nodes": ["node-1"], "deadline": "2026-01-01T00:00:00+00:00"},
+        },
+    )
+
+    back = ledger.withdraw_decision(incident.id, by="storm guard", reason="3 of 4 nodes")
+
+    assert back.state is IncidentState.AWAITING_APPROVAL
+    assert (back.decision, back.approver, back.approval_reason) == (None, None, None)
+    assert not {"approval", "approval_request"} & set(back.evidence or {})
+    last = back.history[-1]
+    assert (last.from_state, last.to_state) == (
+        IncidentState.AWAITING_APPROVAL,
+        IncidentState.AWAITING_APPROVAL,
+    )
+    assert last.reason == "decision withdrawn by storm guard: 3 of 4 nodes"
+    assert last.detail == {
+        "withdrawn": {
+            "decision": "approve",
+            "approver": "policy:auto-approve",
+            "nodes": ["node-1"],
+        },
+        "by": "storm guard",
+    }
+    assert IncidentState.EXPIRED not in {e.to_state for e in back.history}  # never expired
+    assert retry_count(back) == 0
+    approval = next(a for a in ledger.actions(incident.id) if a.target == "approval")
+    assert approval.status is ActionStatus.FAILED  # claimable again: a human is asked
+    assert "decision withdrawn" in str((approval.detail or {})["outcome"])
+    # a withdrawn decision is gone: withdrawing again is refused
+    with pytest.raises(IllegalTransition):
+        ledger.withdraw_decision(incident.id, by="storm guard", reason="again")

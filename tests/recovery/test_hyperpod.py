@@ -23,6 +23,7 @@ from recovery.errors import (
 from recovery.hyperpod import (
     INSTANCE_ID_LABEL,
     AlreadyReplacing,
+    AmbiguousReplacement,
     BatchAction,
     HyperPod,
     MissingBaseline,
@@ -33,6 +34,7 @@ from recovery.hyperpod import (
 from tests.recovery.aws_fixtures import (  # noqa: F401  (fixtures, registered by name)
     CLUSTER,
     GROUP,
+    NODE_COUNT,
     REGION,
     fixture_aws_env,
     fixture_cluster_ids,
@@ -100,8 +102,8 @@ def test_replace_then_wait_gives_a_new_running_instance(
     with pytest.raises(NotFoundError):
         hyperpod.describe(old)
     assert {n.instance_id for n in hyperpod.list_nodes(GROUP)} == (set(cluster_ids) - {old}) | {new}
-    # ShuttingDown, then Pending, then Running: two pauses of one poll interval each.
-    assert clock.sleeps == [10.0, 10.0]
+    # Still Running (accepted), ShuttingDown, then Pending, then Running: three pauses.
+    assert clock.sleeps == [10.0, 10.0, 10.0]
 
 
 def test_two_replacements_in_one_group_get_distinct_new_nodes(
@@ -115,9 +117,12 @@ def test_two_replacements_in_one_group_get_distinct_new_nodes(
     assert len({new_first, new_second} | set(cluster_ids)) == len(cluster_ids) + 2
 
 
-def test_double_replace_is_refused_before_calling_aws(
-    session: boto3.session.Session, cluster_ids: list[str]
+def test_double_replace_is_refused_before_calling_aws_or_by_aws(
+    session: boto3.session.Session,
+    cluster_ids: list[str],
+    transition: Callable[[str, dict[str, Any]], None],
 ) -> None:
+    transition(moto_hyperpod.REPLACE_MODEL, {"progression": "manual", "times": 3})
     hyperpod = _hyperpod(session)
     target = cluster_ids[0]
     hyperpod.replace(target)
@@ -127,10 +132,18 @@ def test_double_replace_is_refused_before_calling_aws(
         hyperpod.replace([target])
     assert ours.value.instance_ids == (target,)
 
-    # A second adapter (a re-run flow) has no memory of the first; the node's status stops it.
-    with pytest.raises(AlreadyReplacing, match="ShuttingDown"):
-        _hyperpod(session).replace([target, cluster_ids[1]])
     assert moto_hyperpod.call_count("BatchReplaceClusterNodes", region=REGION) == calls
+
+    # A second adapter (a re-run flow) has no memory of the first. Right after the request
+    # HyperPod still reports the node Running, so the call is made and AWS refuses it per node;
+    # once the node is ShuttingDown, the status stops the call before it is made.
+    again = _hyperpod(session).replace([target])  # reads 1-2: still Running
+    assert again.successful == ()
+    assert [(f.instance_id, f.code) for f in again.failed] == [(target, "InstanceIdInUse")]
+    assert hyperpod.describe(target).status == NodeStatus.RUNNING  # read 3
+    with pytest.raises(AlreadyReplacing, match="ShuttingDown"):  # read 4: ShuttingDown
+        _hyperpod(session).replace([target, cluster_ids[1]])
+    assert moto_hyperpod.call_count("BatchReplaceClusterNodes", region=REGION) == calls + 1
 
 
 def test_in_use_node_comes_back_as_a_typed_failure(
@@ -229,7 +242,7 @@ def test_wait_replaced_times_out_with_what_it_saw(
         hyperpod.wait_replaced(cluster_ids[0], GROUP)
     assert isinstance(err.value, TemporaryError)
     assert "after 35 s" in str(err.value)
-    assert "old instance still ShuttingDown" in str(err.value)
+    assert "old instance still Running" in str(err.value)  # accepted, not begun
     assert clock.sleeps == [10.0, 10.0, 10.0, 5.0]
 
 
@@ -323,7 +336,10 @@ def test_from_settings_configures_botocore_retries() -> None:
         sagemaker_client(REGION, retry_mode="legacy")
 
 
-def test_replace_flow_against_a_moto_server(local_aws: LocalAws) -> None:
+def test_replace_flow_against_a_moto_server(
+    local_aws: LocalAws, transition: Callable[[str, dict[str, Any]], None]
+) -> None:
+    transition(moto_hyperpod.REPLACE_MODEL, {"progression": "manual", "times": 3})
     cluster = f"srv-{uuid.uuid4().hex[:8]}"
     ids = create_demo_cluster(local_aws, cluster, 3)
     hyperpod = HyperPod.from_settings(
@@ -336,12 +352,70 @@ def test_replace_flow_against_a_moto_server(local_aws: LocalAws) -> None:
     )
     old = hyperpod.instance_for(f"hyperpod-{ids[1]}")
     assert hyperpod.replace([old]).successful == (old,)
-    with pytest.raises(AlreadyReplacing):
-        HyperPod.from_settings(
-            cluster, local_aws.region, local_aws.endpoint_url, session=local_aws.session()
-        ).replace([old])
+    other = HyperPod.from_settings(
+        cluster, local_aws.region, local_aws.endpoint_url, session=local_aws.session()
+    )
+    assert [f.code for f in other.replace([old]).failed] == ["InstanceIdInUse"]  # reads 1-2
+    assert other.describe(old).running  # read 3
+    with pytest.raises(AlreadyReplacing):  # read 4: ShuttingDown
+        other.replace([old])
     new = hyperpod.wait_replaced(old, GROUP)
     assert new not in ids
     assert hyperpod.describe(new).running
     with pytest.raises(NotFoundError):
         hyperpod.describe(old)
+
+
+def _successor_under(sagemaker: Any, logical_id: str) -> str:
+    node = sagemaker.describe_cluster_node(ClusterName=CLUSTER, NodeLogicalId=logical_id)
+    return str(node["NodeDetails"]["InstanceId"])
+
+
+def test_with_logical_ids_the_new_node_is_the_one_under_the_old_nodes_logical_id(
+    mocked_aws: None, shared_session: boto3.session.Session
+) -> None:
+    """Another replacement in the same group (HyperPod's auto-recovery, another incident) runs
+    a step ahead of ours: its new node is Running first, and is still not taken for ours."""
+    ids = create_demo_cluster(shared_session, CLUSTER, NODE_COUNT, GROUP, continuous=True)
+    clock = FakeClock()
+    hyperpod = _hyperpod(shared_session, clock)
+    ours, theirs = ids[1], ids[2]
+    sagemaker = shared_session.client("sagemaker")
+    logical = {n.instance_id: n.logical_id for n in hyperpod.list_nodes(GROUP)}
+    assert all(logical.values())
+    assert sagemaker.batch_replace_cluster_nodes(ClusterName=CLUSTER, NodeIds=[theirs])[
+        "Successful"
+    ] == [theirs]
+
+    result = hyperpod.replace([ours])
+    assert result.logical_ids == {ours: logical[ours]}
+    new = hyperpod.wait_replaced(ours, GROUP, known_ids=result.members_before[GROUP])
+
+    assert new == _successor_under(sagemaker, str(logical[ours]))
+    foreign = _successor_under(sagemaker, str(logical[theirs]))
+    assert foreign != theirs  # the other replacement finished, and first
+    assert new not in {*ids, foreign}
+    # a new adapter (a re-run flow) given only the logical id finds the same node
+    assert _hyperpod(shared_session).wait_replaced(ours, GROUP, logical_id=logical[ours]) == new
+
+
+def test_without_logical_ids_a_foreign_departure_is_ambiguous_never_ours(
+    session: boto3.session.Session, cluster_ids: list[str]
+) -> None:
+    hyperpod = _hyperpod(session)
+    ours, theirs = cluster_ids[1], cluster_ids[2]
+    sagemaker = session.client("sagemaker")
+    sagemaker.batch_replace_cluster_nodes(ClusterName=CLUSTER, NodeIds=[theirs])
+    result = hyperpod.replace([ours])
+    assert result.logical_ids == {}
+
+    with pytest.raises(AmbiguousReplacement, match=theirs) as err:
+        hyperpod.wait_replaced(ours, GROUP, known_ids=result.members_before[GROUP])
+    assert "map the new node by hand" in str(err.value)
+
+    # the clean run: our departure alone is accounted for, and the new node is ours
+    clean = _hyperpod(session)
+    other = cluster_ids[3]
+    again = clean.replace([other])
+    new = clean.wait_replaced(other, GROUP, known_ids=again.members_before[GROUP])
+    assert new not in {*cluster_ids, *again.members_before[GROUP]}

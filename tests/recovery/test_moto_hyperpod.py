@@ -55,6 +55,8 @@ def test_replace_swaps_in_a_new_instance_in_the_same_group(
     assert answer["Successful"] == [old]
     assert answer["Failed"] == []
 
+    accepted = _states(sagemaker)
+    assert accepted[old] == "Running"  # the request is accepted; HyperPod has not begun
     first = _states(sagemaker)
     assert first[old] == "ShuttingDown"
     second = _states(sagemaker)
@@ -99,8 +101,14 @@ def test_the_new_node_stays_busy_until_running(
     transition(moto_hyperpod.REPLACE_MODEL, {"progression": "manual", "times": 2})
     sagemaker = _client(session)
     sagemaker.batch_replace_cluster_nodes(ClusterName=CLUSTER, NodeIds=[cluster_ids[0]])
-    seen = [_states(sagemaker) for _ in range(3)]
-    assert [s.get(cluster_ids[0]) for s in seen] == ["ShuttingDown", "ShuttingDown", None]
+    seen = [_states(sagemaker) for _ in range(5)]
+    assert [s.get(cluster_ids[0]) for s in seen] == [
+        "Running",
+        "Running",
+        "ShuttingDown",
+        "ShuttingDown",
+        None,
+    ]
     (new,) = set(seen[-1]) - set(cluster_ids)
     assert seen[-1][new] == "Pending"
 
@@ -202,9 +210,10 @@ def test_install_twice_wraps_once(session: boto3.session.Session, cluster_ids: l
     sagemaker = _client(session)
     sagemaker.batch_replace_cluster_nodes(ClusterName=CLUSTER, NodeIds=[cluster_ids[0]])
     # A doubly wrapped list would tick twice per call and skip a state.
+    assert _states(sagemaker)[cluster_ids[0]] == "Running"
     assert _states(sagemaker)[cluster_ids[0]] == "ShuttingDown"
     assert "Pending" in _states(sagemaker).values()
-    assert moto_hyperpod.call_count("ListClusterNodes", region=REGION) == lists_before + 2
+    assert moto_hyperpod.call_count("ListClusterNodes", region=REGION) == lists_before + 3
 
 
 def test_immediate_transition_finishes_at_the_first_read(
