@@ -121,6 +121,9 @@ class TrainConfig:
     probe_step: int | None = None
     probe: Path | None = None
     halt_on_alarm: bool = False
+    hold_after_halt_s: float = 0.0
+    """With ``halt_on_alarm``: how long a halted job stays alive, training no further, for its
+    stop (as a job halted by its guard waits for its operator); 0 ends it at once."""
 
     def node_names(self) -> list[str]:
         """Node of each rank: ``nodes`` if given, else ``node-{rank // ranks_per_node}``."""
@@ -174,6 +177,25 @@ class TrainConfig:
                 FaultSpec.parse(spec)
             except ValueError as err:
                 raise HarnessConfigError(str(err)) from err
+
+
+def _injected(config: TrainConfig) -> tuple[str, ...]:
+    """The faults this run suffers. A resumed run recomputes steps a run already computed, and
+    a transient upset (``KIND@RANK:STEP``) does not repeat: only the nodes' persistent faults
+    follow it, as they follow a diagnostic replay."""
+    if config.resume_from is None:
+        return tuple(config.inject)
+    return tuple(s for s in config.inject if FaultSpec.parse(s).persistent)
+
+
+def _hold(seconds: float, extra: dict[str, Any]) -> None:
+    """Stay alive, computing nothing, until SIGTERM (which unwinds as a stop: the report is
+    still written) or ``seconds`` pass."""
+    _log.warning("halted: holding up to %.0f s for the job's stop", seconds, extra=extra)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.5))
+    _log.warning("no stop within %.0f s: ending the halted job", seconds, extra=extra)
 
 
 # -- the launcher ---------------------------------------------------------------------------------
@@ -465,7 +487,7 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                 audit_mode=AuditMode(config.audit_mode),
                 seed=config.seed,
                 halt_on_alarm=config.halt_on_alarm,
-                inject=tuple(config.inject),
+                inject=_injected(config),
             ),
             identity=RankIdentity.detect(rank, _local_rank(nodes, rank), world, node=node),
             sender=sender,
@@ -517,6 +539,8 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                 _write_checkpoint(gate, step, model, optimizer, outcome.fingerprint, config)
             if guard is not None and guard.halted:
                 _log.warning("halted after the alarm at step %d", step, extra=extra)
+                if config.hold_after_halt_s > 0:
+                    _hold(config.hold_after_halt_s, extra)
                 break
         # Every step is done: a stop arriving now (the incident flow stops training right after
         # the alarm) must not cost the report, so the little that is left runs to its end.
@@ -718,6 +742,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-step", type=int, default=None)
     p.add_argument("--probe", type=Path, default=None, help="per-submodule fingerprints")
     p.add_argument("--halt-on-alarm", action="store_true", help="stop after the first alarm")
+    p.add_argument(
+        "--hold-after-halt",
+        type=float,
+        default=d.hold_after_halt_s,
+        metavar="SECONDS",
+        help="with --halt-on-alarm: stay alive, training no further, up to SECONDS for a stop",
+    )
     return p
 
 
@@ -785,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         probe_step=args.probe_step,
         probe=args.probe,
         halt_on_alarm=args.halt_on_alarm,
+        hold_after_halt_s=args.hold_after_halt,
     )
     try:
         with _sigterm_unwinds():
