@@ -2,8 +2,9 @@
 
 Everything is embedded and local: a SQLite ledger, a simulated cluster of nodes with a spare
 pool, AWS (SageMaker HyperPod) mocked by a moto server carrying our batch replace/reboot
-extension, the webhook on loopback, the incident flow run by the webhook's local trigger
-(Prefect in-process, or the server at ``PREFECT_API_URL``).
+extension, the webhook on loopback, the incident flow started by the webhook in a thread of
+this process, on the one Prefect server the caller points this process at
+(:func:`flows.prefect_server.one_prefect_server`).
 
 1. A fault-free reference run of the built-in model (4 ranks on 4 simulated nodes).
 2. The same run, but one node's hardware turns faulty part-way through (a persistent fault of

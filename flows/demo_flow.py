@@ -17,6 +17,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 from prefect.input.run_input import keyset_from_paused_state
 from rich.console import Console
+from rich.markup import escape
 
 from db import Ledger
 from flows.approval import flow_run_name
@@ -51,7 +52,8 @@ class _Progress:
             if key in self._seen or action.status.value == "claimed":
                 continue
             self._seen.add(key)
-            outcome = (action.detail or {}).get("outcome", "")
+            # the ledger's words, printed as they are (never read as console markup)
+            outcome = escape(str((action.detail or {}).get("outcome", "")))
             colour = "green" if action.status.value == "succeeded" else "red"
             self._console.print(
                 f"  [{colour}]✔[/] [bold]{action.target}[/] — {outcome}"
