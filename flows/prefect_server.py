@@ -49,6 +49,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Starting means migrating a new SQLite database: 15-25 s on two idle cores, minutes on a busy
+# machine. A newcomer's first command must not fail for that.
+_STARTUP_TIMEOUT_S = 600.0
 _STOP_TIMEOUT_S = 20.0
 _DRAIN_TIMEOUT_S = 15.0
 
@@ -82,7 +85,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_prefect_server(home: Path, *, startup_timeout_s: float = 120.0) -> Iterator[str]:
+def local_prefect_server(
+    home: Path, *, startup_timeout_s: float = _STARTUP_TIMEOUT_S
+) -> Iterator[str]:
     """Start ``prefect server start`` (API and UI) on a free loopback port in a process group
     of its own; yield its API URL (``…/api``); stop the whole group on exit."""
     home.mkdir(parents=True, exist_ok=True)

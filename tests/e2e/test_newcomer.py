@@ -25,7 +25,7 @@ import pytest
 from db import AlarmIn, Ledger, RankIn, upgrade
 from tests.e2e.processes import cli_process, prefect_processes
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 NODES = ["node-0", "node-1", "node-2", "node-3"]
 JOB = "recorded-job"
@@ -34,7 +34,7 @@ JOB = "recorded-job"
 def test_sigterm_stops_the_demo_with_its_prefect_server_and_training(tmp_path: Path) -> None:
     args = ["demo", "--approve-in-ui"]
     with cli_process(args, tmp_path / "demo", tmp_path / "home") as demo:
-        demo.wait_for_line(re.compile(r"1\. reference run"), timeout_s=300)
+        demo.wait_for_line(re.compile(r"1\. reference run"), timeout_s=660)
         assert prefect_processes(demo.note_processes()), f"no Prefect server:\n{demo.output}"
         deadline = time.monotonic() + 60
         while not _training(demo.note_processes()):  # launched just after the line is printed
@@ -92,11 +92,11 @@ def test_replay_incident_runs_on_one_prefect_server_and_leaves_none(tmp_path: Pa
     workdir = tmp_path / "rehearsal"
 
     with cli_process(args, workdir, tmp_path / "home") as rehearsal:
-        rehearsal.wait_for_line(re.compile(r"Prefect server started at"), timeout_s=300)
+        rehearsal.wait_for_line(re.compile(r"Prefect server started at"), timeout_s=660)
         servers = prefect_processes(rehearsal.note_processes())
         assert len(servers) >= 1
 
-        assert rehearsal.wait(timeout_s=400) == 0, rehearsal.output
+        assert rehearsal.wait(timeout_s=600) == 0, rehearsal.output
         assert "REHEARSAL ended resolved" in rehearsal.output
         assert "temporary server" not in rehearsal.output.lower()
         assert rehearsal.left_behind() == []

@@ -34,7 +34,7 @@ from recovery.cluster import LocalCluster
 from tests.e2e.conftest import UI_TIMEOUT_MS
 from tests.e2e.processes import CliProcess, cli_process, prefect_processes
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 APPROVER = "carol.approver@example.com"
 REASON = "the upset was node-2's own step; node-0 only audited it: replace node-2"
@@ -99,7 +99,7 @@ def test_a_newcomer_approves_one_of_two_nodes_at_the_address_the_demo_prints(
     newcomer_demo: CliProcess, ui_page: Page, ui_artifacts: Path, tmp_path: Path
 ) -> None:
     demo, page = newcomer_demo, ui_page
-    url = demo.wait_for_line(RUN_ADDRESS, timeout_s=600).group(1)
+    url = demo.wait_for_line(RUN_ADDRESS, timeout_s=900).group(1)
     servers = prefect_processes(demo.note_processes())
     assert servers, f"no Prefect server under the demo:\n{demo.output}"
     assert "still runs" in demo.output  # the faulty job was running when its alarm came
