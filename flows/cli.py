@@ -260,6 +260,16 @@ def _exits_143_on_sigterm() -> Iterator[None]:
         raise typer.Exit(143) from None
 
 
+@contextlib.contextmanager
+def _fails_on(*errors: type[Exception]) -> Iterator[None]:
+    """Say what failed in one line and exit 1, instead of a traceback."""
+    try:
+        yield
+    except errors as err:
+        typer.secho(f"failed: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from err
+
+
 @app.command("replay-incident")
 def replay_incident(
     incident_id: Annotated[str, typer.Argument(help="The recorded incident's id.")],
@@ -281,7 +291,7 @@ def replay_incident(
 
     from rich.console import Console
 
-    from flows.prefect_server import one_prefect_server, sigterm_raises
+    from flows.prefect_server import PrefectServerError, one_prefect_server, sigterm_raises
     from flows.replay_incident import (
         REHEARSAL_NOTICE,
         RehearsalDecision,
@@ -296,6 +306,7 @@ def replay_incident(
     with (
         sigterm_raises(),
         _exits_143_on_sigterm(),
+        _fails_on(PrefectServerError),
         one_prefect_server(where.absolute() / "prefect") as server,
     ):
         console.print(
