@@ -83,15 +83,25 @@ def _approve_only(page: Page, dialog: Locator, node: str) -> None:
 
 
 def choose_decision(page: Page, decision: Locator, value: str) -> None:
-    """Pick ``value`` in the decision select with the keyboard, as a keyboard user does (the
-    options popover does not open for a pointer in headless chromium)."""
+    """Pick ``value`` in the decision select. The select opens its options on a click or on
+    ArrowDown (and, closed, ArrowDown may pick the next option at once): whichever happens, the
+    option is clicked once it shows, and the select must end showing ``value``."""
     control = decision.locator("button.p-select-button__control")
     shown = decision.locator(".p-select-button__value")
-    for _ in range(len(ApprovalChoice)):
-        control.focus()
-        page.keyboard.press("ArrowDown")
+    option = page.get_by_text(value, exact=True)
+    for attempt in range(2 * len(ApprovalChoice)):
         if shown.inner_text().strip() == value:
             return
+        if attempt % 2 == 0:
+            control.click()
+        else:
+            control.focus()
+            page.keyboard.press("ArrowDown")
+        page.wait_for_timeout(500)
+        visible = [o for o in option.all() if o.is_visible() and o != shown]
+        if visible:
+            visible[0].click()
+            page.wait_for_timeout(300)
     raise AssertionError(f"the decision select never showed {value!r}")
 
 
