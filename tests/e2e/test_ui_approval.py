@@ -98,7 +98,7 @@ def choose_decision(page: Page, decision: Locator, value: str) -> None:
             control.focus()
             page.keyboard.press("ArrowDown")
         page.wait_for_timeout(500)
-        visible = [o for o in option.all() if o.is_visible() and o != shown]
+        visible = [o for o in option.all() if o.is_visible()]
         if visible:
             visible[0].click()
             page.wait_for_timeout(300)
@@ -123,6 +123,7 @@ def test_a_newcomer_approves_one_of_two_nodes_at_the_address_the_demo_prints(
     # the evidence the approver decides on is on the form: two suspects, nothing reproduced
     expect(dialog).to_contain_text("approval needed", timeout=UI_TIMEOUT_MS)
     expect(dialog).to_contain_text("no node reproduces it", timeout=UI_TIMEOUT_MS)
+    expect(_node_items(dialog)).to_have_count(2, timeout=UI_TIMEOUT_MS)  # rendered just after
     assert sorted(_listed_nodes(dialog)) == [NOT_APPROVED, APPROVED]
     # no decision is preselected: the approver must choose
     chosen = _form_property(dialog, "Decision").locator(".p-select-button__value")
