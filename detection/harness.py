@@ -123,6 +123,9 @@ class TrainConfig:
     halt_on_alarm: bool = False
     abft: bool | None = None  # None: GuardConfig's default (on for the eager model)
     skip_update_on_alarm: bool = False
+    hold_after_halt_s: float = 0.0
+    """With ``halt_on_alarm``: how long a halted job stays alive, training no further, for its
+    stop (as a job halted by its guard waits for its operator); 0 ends it at once."""
 
     def guard_config(self) -> GuardConfig:
         """The guard's configuration for this job, the same on every rank."""
@@ -131,7 +134,7 @@ class TrainConfig:
             audit_mode=AuditMode(self.audit_mode),
             seed=self.seed,
             halt_on_alarm=self.halt_on_alarm,
-            inject=tuple(self.inject),
+            inject=_injected(self),
             abft=self.abft,
             skip_update_on_alarm=self.skip_update_on_alarm,
         )
@@ -188,6 +191,25 @@ class TrainConfig:
                 FaultSpec.parse(spec)
             except ValueError as err:
                 raise HarnessConfigError(str(err)) from err
+
+
+def _injected(config: TrainConfig) -> tuple[str, ...]:
+    """The faults this run suffers. A resumed run recomputes steps a run already computed, and
+    a transient upset (``KIND@RANK:STEP``) does not repeat: only the nodes' persistent faults
+    follow it, as they follow a diagnostic replay."""
+    if config.resume_from is None:
+        return tuple(config.inject)
+    return tuple(s for s in config.inject if FaultSpec.parse(s).persistent)
+
+
+def _hold(seconds: float, extra: dict[str, Any]) -> None:
+    """Stay alive, computing nothing, until SIGTERM (which unwinds as a stop: the report is
+    still written) or ``seconds`` pass."""
+    _log.warning("halted: holding up to %.0f s for the job's stop", seconds, extra=extra)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.5))
+    _log.warning("no stop within %.0f s: ending the halted job", seconds, extra=extra)
 
 
 # -- the launcher ---------------------------------------------------------------------------------
@@ -525,6 +547,8 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                 _write_checkpoint(gate, step, model, optimizer, outcome.fingerprint, config)
             if guard is not None and guard.halted:
                 _log.warning("halted after the alarm at step %d", step, extra=extra)
+                if config.hold_after_halt_s > 0:
+                    _hold(config.hold_after_halt_s, extra)
                 break
         # Every step is done: a stop arriving now (the incident flow stops training right after
         # the alarm) must not cost the report, so the little that is left runs to its end.
@@ -747,6 +771,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a step the per-step layer finds corrupted updates no weight, on every rank",
     )
+    p.add_argument(
+        "--hold-after-halt",
+        type=float,
+        default=d.hold_after_halt_s,
+        metavar="SECONDS",
+        help="with --halt-on-alarm: stay alive, training no further, up to SECONDS for a stop",
+    )
     return p
 
 
@@ -813,6 +844,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         halt_on_alarm=args.halt_on_alarm,
         abft=args.abft,
         skip_update_on_alarm=args.skip_update_on_alarm,
+        hold_after_halt_s=args.hold_after_halt,
     )
 
 

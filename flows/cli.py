@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -246,6 +248,28 @@ def _retry_outcome(run: str, summary: dict[str, object]) -> str:
     return "; no run started (run the incident deployment in the Prefect UI)"
 
 
+@contextlib.contextmanager
+def _exits_143_on_sigterm() -> Iterator[None]:
+    """Turn the unwinding SIGTERM into the shell's 143, once everything inside has stopped."""
+    from flows.prefect_server import Terminated
+
+    try:
+        yield
+    except Terminated:
+        typer.secho("stopped by SIGTERM", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(143) from None
+
+
+@contextlib.contextmanager
+def _fails_on(*errors: type[Exception]) -> Iterator[None]:
+    """Say what failed in one line and exit 1, instead of a traceback."""
+    try:
+        yield
+    except errors as err:
+        typer.secho(f"failed: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from err
+
+
 @app.command("replay-incident")
 def replay_incident(
     incident_id: Annotated[str, typer.Argument(help="The recorded incident's id.")],
@@ -267,6 +291,7 @@ def replay_incident(
 
     from rich.console import Console
 
+    from flows.prefect_server import PrefectServerError, one_prefect_server, sigterm_raises
     from flows.replay_incident import (
         REHEARSAL_NOTICE,
         RehearsalDecision,
@@ -277,9 +302,23 @@ def replay_incident(
     console = Console()
     console.print(f"[bold yellow]{REHEARSAL_NOTICE}[/]")
     where = workdir or Path(tempfile.mkdtemp(prefix="sdcguard-rehearsal-"))
-    result = rehearse(
-        _database_url(database_url), incident_id, where, decision=RehearsalDecision(decision)
-    )
+    # One Prefect API for the flow and its approver: PREFECT_API_URL's, or one started here.
+    with (
+        sigterm_raises(),
+        _exits_143_on_sigterm(),
+        _fails_on(PrefectServerError),
+        one_prefect_server(where.absolute() / "prefect") as server,
+    ):
+        console.print(
+            f"Prefect {'server started' if server.started_here else 'API'} at "
+            f"{server.api_url}, UI at {server.ui_url}",
+            soft_wrap=True,
+        )
+        if decision == RehearsalDecision.UI:
+            console.print("approve in the Prefect UI: the paused run is listed under Runs")
+        result = rehearse(
+            _database_url(database_url), incident_id, where, decision=RehearsalDecision(decision)
+        )
     for renderable in rehearsal_renderables(result):
         console.print(renderable)
     if report is not None:
@@ -295,7 +334,15 @@ def demo(
         str, typer.Option(help="The node whose hardware turns faulty.")
     ] = "node-2",
     approve_in_ui: Annotated[
-        bool, typer.Option(help="Wait for a human to approve in the Prefect UI (prints the link).")
+        bool,
+        typer.Option(help="Wait for a human to approve in the Prefect UI (prints the run's page)."),
+    ] = False,
+    transient: Annotated[
+        bool,
+        typer.Option(
+            help="A one-off upset at an audited step instead of a persistent fault: the audit "
+            "names two nodes and the approver picks which to replace (with --approve-in-ui)."
+        ),
     ] = False,
     report: Annotated[Path | None, typer.Option(help="Write the report JSON here.")] = None,
     workdir: Annotated[Path, typer.Option(help="Where the demo keeps its state.")] = Path(
@@ -304,31 +351,36 @@ def demo(
     steps: Annotated[int, typer.Option(min=10, help="Training steps of each run.")] = 30,
     fault_step: Annotated[int, typer.Option(min=1, help="First faulty step.")] = 17,
 ) -> None:
-    """The whole incident end to end on this machine, with proof that recovery was exact."""
-    import contextlib
-    import os
+    """The whole incident end to end on this machine, with proof that recovery was exact.
 
+    The flow runs on the Prefect server at PREFECT_API_URL, or on one started for the demo
+    (with its UI) and stopped when it ends, however it ends."""
     from flows.demo import DemoConfig, DemoError, run_demo
+    from flows.prefect_server import PrefectServerError, one_prefect_server, sigterm_raises
 
-    config = DemoConfig(
-        fault=fault,
-        faulty_node=faulty_node,
-        approve_in_ui=approve_in_ui,
-        report=report,
-        workdir=workdir,
-        steps=steps,
-        fault_step=fault_step,
-    )
     with contextlib.ExitStack() as stack:
-        if approve_in_ui and not os.environ.get("PREFECT_API_URL"):
-            from flows.prefect_server import local_prefect_server
-
-            typer.echo("starting a local Prefect server with its UI ...")
-            api_url = stack.enter_context(local_prefect_server(workdir.resolve() / "prefect"))
-            os.environ["PREFECT_API_URL"] = api_url
+        stack.enter_context(sigterm_raises())
+        stack.enter_context(_exits_143_on_sigterm())
         try:
-            run_demo(config)
-        except DemoError as err:
+            server = stack.enter_context(one_prefect_server(workdir.resolve() / "prefect"))
+            typer.echo(
+                f"Prefect {'server started' if server.started_here else 'API'} at "
+                f"{server.api_url}, UI at {server.ui_url}"
+            )
+            run_demo(
+                DemoConfig(
+                    fault=fault,
+                    faulty_node=faulty_node,
+                    approve_in_ui=approve_in_ui,
+                    transient=transient,
+                    prefect=server,
+                    report=report,
+                    workdir=workdir,
+                    steps=steps,
+                    fault_step=fault_step,
+                )
+            )
+        except (DemoError, PrefectServerError) as err:
             typer.secho(f"demo failed: {err}", fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from err
 

@@ -2,8 +2,9 @@
 
 Everything is embedded and local: a SQLite ledger, a simulated cluster of nodes with a spare
 pool, AWS (SageMaker HyperPod) mocked by a moto server carrying our batch replace/reboot
-extension, the webhook on loopback, the incident flow run by the webhook's local trigger
-(Prefect in-process, or the server at ``PREFECT_API_URL``).
+extension, the webhook on loopback, the incident flow started by the webhook in a thread of
+this process, on the one Prefect server the caller points this process at
+(:func:`flows.prefect_server.one_prefect_server`).
 
 1. A fault-free reference run of the built-in model (4 ranks on 4 simulated nodes).
 2. The same run, but one node's hardware turns faulty part-way through (a persistent fault of
@@ -13,6 +14,14 @@ extension, the webhook on loopback, the incident flow run by the webhook's local
    from the newest verified checkpoint on the replacement node.
 3. The resumed run finishes and its final weight fingerprint must equal the reference's, bit
    for bit: the proof that the recovery was exact and no corrupted step survived.
+
+As in production, the faulty job is still running when its alarm arrives: its guard halts it
+after the alarm's step (``--halt-on-alarm``) and it stays alive, training no further, until the
+flow's stop stage stops its process group.
+
+``transient`` swaps the persistent fault for a one-off upset at an audited step: one pair of
+ranks disagrees, so the audit names two nodes, the replay reproduces nothing, and the approver
+chooses in the form which of the two to replace (the other goes back to work).
 """
 
 from __future__ import annotations
@@ -24,24 +33,22 @@ import logging
 import os
 import secrets
 import shutil
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from db import Ledger
 from db.migrate import upgrade
-from flows.incident import respond
+from flows.demo_flow import DemoError, FlowThread, follow_flow, stop_record
+from flows.demo_report import demo_report, plot_losses, print_summary
 from flows.policy import IncidentPolicy
+from flows.prefect_server import PrefectServer
 from flows.recovery_settings import AwsSettings, PolicySettings, RecoverySettings
 from flows.serve import run_in_thread
-from flows.trigger import LocalTrigger
 from flows.webhook import create_app
 from flows.wiring import build_backends, use_backends
 from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
@@ -55,10 +62,7 @@ log = logging.getLogger(__name__)
 DEMO_FAULTS = ("act-flip", "grad-nan", "grad-flip", "reduced-flip", "weight-flip", "optim-flip")
 _CLUSTER = "sdcguard-demo"
 _JOB = "demo-job"
-
-
-class DemoError(RuntimeError):
-    """The demo could not show what it promises; the message says which step and why."""
+_TWO_SUSPECTS_SHARE = 0.5
 
 
 @dataclass
@@ -74,6 +78,10 @@ class DemoConfig:
     checkpoint_every: int = 5
     audit_mode: str = "loss"
     approve_in_ui: bool = False
+    transient: bool = False
+    """A one-off upset at an audited step instead of a persistent fault: two suspect nodes."""
+    prefect: PrefectServer | None = None
+    """The Prefect server the flow runs on; with ``approve_in_ui``, where its run is shown."""
     workdir: Path = Path(".sdcguard/demo")
     report: Path | None = None
     plot: Path | None = None
@@ -86,7 +94,15 @@ class DemoConfig:
     def spare_nodes(self) -> list[str]:
         return [f"node-{self.world_size + i}" for i in range(self.spares)]
 
+    def upset_step(self) -> int:
+        """The first audited step from ``fault_step`` on: where a transient upset is seen."""
+        every = self.audit_every
+        return -(-self.fault_step // every) * every
+
     def fault_spec(self) -> str:
+        if self.transient:
+            rank = self.nodes().index(self.faulty_node)
+            return f"{self.fault}@{rank}:{self.upset_step()}"
         return f"{self.fault}@node={self.faulty_node}:from={self.fault_step}"
 
     def validate(self) -> None:
@@ -98,6 +114,16 @@ class DemoConfig:
             raise DemoError("the demo needs 3 or more ranks: a strict majority names a node")
         if not self.checkpoint_every < self.fault_step < self.steps:
             raise DemoError("the fault must start after the first checkpoint and before the end")
+        if self.approve_in_ui and self.prefect is None:
+            raise DemoError("--approve-in-ui needs the Prefect server whose UI shows the run")
+        if self.transient:
+            if self.fault != "act-flip" or self.audit_mode != "loss":
+                # the loss audit sees a one-off act-flip in exactly one pair of ranks
+                raise DemoError("--transient needs --fault act-flip (seen by the loss audit)")
+            if not self.approve_in_ui:
+                raise DemoError("--transient needs --approve-in-ui: a person picks the node")
+            if not self.upset_step() < self.steps:
+                raise DemoError("--transient: no audited step between the fault and the end")
 
 
 def _harness_args(config: DemoConfig, name: str, run_dir: Path, webhook: str | None) -> list[str]:
@@ -119,33 +145,6 @@ def _harness_args(config: DemoConfig, name: str, run_dir: Path, webhook: str | N
     return args
 
 
-class _Progress:
-    """Prints each incident stage once, as the ledger records it: the flow's own record."""
-
-    def __init__(self, console: Console, ledger: Ledger) -> None:
-        self._console = console
-        self._ledger = ledger
-        self._seen: set[tuple[str, str]] = set()
-
-    def poll(self, incident_id: str) -> str:
-        incident = self._ledger.get_incident(incident_id)
-        for action in incident.actions:
-            if action.kind != "stage":
-                continue
-            key = (action.target, action.status.value)
-            if key in self._seen or action.status.value == "claimed":
-                continue
-            self._seen.add(key)
-            outcome = (action.detail or {}).get("outcome", "")
-            colour = "green" if action.status.value == "succeeded" else "red"
-            self._console.print(
-                f"  [{colour}]✔[/] [bold]{action.target}[/] — {outcome}"
-                if colour == "green"
-                else f"  [red]✘ {action.target}[/] — {outcome}"
-            )
-        return incident.state.value
-
-
 @contextlib.contextmanager
 def _local_aws(config: DemoConfig) -> Iterator[LocalAws]:
     aws = start_local_aws()
@@ -156,7 +155,11 @@ def _local_aws(config: DemoConfig) -> Iterator[LocalAws]:
 
 
 def run_demo(config: DemoConfig) -> dict[str, Any]:
-    """Run the demo; return the report (DESIGN's ``sdcguard train`` report plus the incident)."""
+    """Run the demo; return the report (DESIGN's ``sdcguard train`` report plus the incident).
+
+    The flow runs on the Prefect API this process is configured with (``config.prefect`` when
+    the caller started one): the demo never starts a server of its own.
+    """
     config.validate()
     console = config.console
     started = time.monotonic()
@@ -199,12 +202,12 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             aws=AwsSettings(endpoint_url=aws.endpoint_url, hyperpod_cluster=_CLUSTER),
             aws_session=aws.session(),
         )
-        if not config.approve_in_ui:
-            # this process is the demo's only worker: its operator (whoever runs the demo)
-            # allows the unattended policy below, as SDCGUARD_POLICY_AUTO_APPROVE would
-            backends = dataclasses.replace(
-                backends, policy_limits=PolicySettings(auto_approve=True)
-            )
+        # This process is the demo's only worker: its operator (whoever runs the demo) sets the
+        # server-side limits, as SDCGUARD_POLICY_* would: unattended, auto-approval is allowed;
+        # with two suspects, half of the four nodes implicated is not yet a storm.
+        share = _TWO_SUSPECTS_SHARE if config.transient else PolicySettings().storm_node_share
+        limits = PolicySettings(auto_approve=not config.approve_in_ui, storm_node_share=share)
+        backends = dataclasses.replace(backends, policy_limits=limits)
         stack.enter_context(use_backends(backends))
         ledger = backends.ledger
         # Unattended, the policy approves only on the strongest evidence (a hardware verdict that
@@ -213,22 +216,14 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         policy = IncidentPolicy(
             auto_approve=not config.approve_in_ui,
             approval_timeout_s=1800 if config.approve_in_ui else 120,
+            storm_node_share=share,
         )
-        finished = threading.Event()
-        summary: dict[str, Any] = {}
-
-        def run_flow(incident_id: str) -> object:
-            try:
-                summary.update(respond(incident_id, policy))
-            finally:
-                finished.set()
-            return summary
-
-        trigger = LocalTrigger(run_flow, max_workers=1)
-        stack.callback(trigger.close)
-        app = create_app(ledger, trigger, secret)
+        flow = FlowThread(policy)
+        app = create_app(ledger, flow, secret)
         webhook = stack.enter_context(run_in_thread(app))
         console.print(f"[dim]webhook and ledger API at {webhook}[/]")
+        if config.prefect is not None:
+            console.print(f"[dim]Prefect UI at {config.prefect.ui_url}[/]", soft_wrap=True)
 
         console.rule("1. reference run (no fault)")
         jobs.launch(
@@ -240,42 +235,55 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         reference = _read_json(run_dir / "reference.json")
         console.print(f"  final fingerprint [cyan]{reference['final_fingerprint']}[/]")
 
-        console.rule(
-            f"2. the same run; {config.faulty_node} turns faulty at step {config.fault_step}"
+        what = (
+            f"a one-off upset on {config.faulty_node} at step {config.upset_step()}"
+            if config.transient
+            else f"{config.faulty_node} turns faulty at step {config.fault_step}"
         )
-        args = [*_harness_args(config, _JOB, run_dir, webhook), "--inject", config.fault_spec()]
-        jobs.launch(_JOB, args, run_dir / f"{_JOB}.log")
+        console.rule(f"2. the same run; {what}")
+        args = [
+            *_harness_args(config, _JOB, run_dir, webhook),
+            "--inject", config.fault_spec(),
+            # halted by its guard after the alarm, the job waits for the flow to stop it
+            "--halt-on-alarm", "--hold-after-halt", str(config.timeout_s),
+        ]  # fmt: skip
+        faulty_pid = jobs.launch(_JOB, args, run_dir / f"{_JOB}.log")
         incident_id = _await_incident(ledger, jobs, job_ref, config.timeout_s)
-        console.print(f"  alarm → incident [bold]{incident_id}[/]; the incident flow runs:")
-        if config.approve_in_ui:
-            _explain_ui_approval(console, incident_id)
-        progress = _Progress(console, ledger)
-        deadline = time.monotonic() + config.timeout_s
-        while not finished.wait(0.5):
-            progress.poll(incident_id)
-            if time.monotonic() > deadline:
-                raise DemoError(f"the incident flow did not finish within {config.timeout_s} s")
-        state = progress.poll(incident_id)
-        if state != "resolved":
-            raise DemoError(f"the incident ended {state!r}: {summary.get('reason')}")
+        running = jobs.status(job_ref) is JobStatus.RUNNING
+        console.print(
+            f"  alarm → incident [bold]{incident_id}[/] while the job "
+            + ("still runs" if running else "has already ended")
+            + "; the incident flow runs:"
+        )
+        summary = follow_flow(
+            console,
+            ledger,
+            flow,
+            incident_id,
+            # a person may take the whole approval timeout to answer
+            timeout_s=config.timeout_s + (policy.approval_timeout_s if config.approve_in_ui else 0),
+            approve_at=config.prefect if config.approve_in_ui else None,
+        )
 
         console.rule("3. the resumed run finishes")
         _wait_job(jobs, job_ref, config.timeout_s, "the resumed run")
         resumed_step = summary["resumed_from_step"]
         faulty = _read_json(run_dir / f"{_JOB}.json")
         recovered = _read_json(run_dir / f"{_JOB}.resumed-{resumed_step}.json")
-        report = _demo_report(config, faulty, reference, recovered, summary, started)
+        report = demo_report(config.fault_spec(), faulty, reference, recovered, summary, started)
+        report["stop"] = stop_record(ledger, incident_id, faulty_pid, running)
         exact = report["recovered_fingerprint"] == report["reference_fingerprint"]
-        _print_summary(console, report, exact)
+        print_summary(console, report, exact)
         report_path = config.report or (work / "demo-report.json")
         report_path.parent.mkdir(parents=True, exist_ok=True)
         report_path.write_text(json.dumps(report, indent=2) + "\n")
         plot_path = config.plot or report_path.with_suffix(".png")
-        _plot(
+        plot_losses(
             plot_path,
             run_dir,
+            _JOB,
             resumed_step=resumed_step,
-            fault_step=config.fault_step,
+            fault_step=config.upset_step() if config.transient else config.fault_step,
             alarm_step=min(a["step"] for a in faulty["alarms"]),
         )
         console.print(f"report [bold]{report_path}[/], plot [bold]{plot_path}[/]")
@@ -327,131 +335,8 @@ def _await_incident(ledger: Ledger, jobs: LocalJobControl, ref: JobRef, timeout_
     raise DemoError(f"no incident within {timeout_s} s")
 
 
-def _explain_ui_approval(console: Console, incident_id: str) -> None:
-    api = os.environ.get("PREFECT_API_URL", "")
-    ui = api.removesuffix("/api") if api else "the Prefect UI"
-    console.print(
-        f"  [yellow]waiting for approval in the Prefect UI[/]: open {ui}/runs, find the paused "
-        f"run [bold]incident-{incident_id}[/], read the evidence artifact and answer the form."
-    )
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return dict(json.loads(path.read_text()))
     except FileNotFoundError as err:
         raise DemoError(f"{path.name} was not written; see the logs beside it") from err
-
-
-def _demo_report(
-    config: DemoConfig,
-    faulty: dict[str, Any],
-    reference: dict[str, Any],
-    recovered: dict[str, Any],
-    summary: dict[str, Any],
-    started: float,
-) -> dict[str, Any]:
-    report = dict(faulty)
-    report.update(
-        {
-            "fault": config.fault_spec(),
-            "incident_id": summary["incident_id"],
-            "suspect_range": summary["suspect_range"],
-            "suspect_nodes": summary["suspect_nodes"],
-            "verdict": summary["verdict"],
-            "approval": summary["approval"],
-            "replaced": summary["replaced"],
-            "resumed_from_step": summary["resumed_from_step"],
-            "resumed_nodes": summary.get("resumed_nodes"),
-            "stages": summary["stages"],
-            "reference_fingerprint": reference["final_fingerprint"],
-            "recovered_fingerprint": recovered["final_fingerprint"],
-            "demo_seconds": round(time.monotonic() - started, 1),
-        }
-    )
-    return report
-
-
-def _print_summary(console: Console, report: dict[str, Any], exact: bool) -> None:
-    table = Table(title="incident stages", show_lines=False)
-    table.add_column("stage")
-    table.add_column("status")
-    table.add_column("seconds", justify="right")
-    for stage in report["stages"]:
-        seconds = "—"
-        if stage.get("start") and stage.get("end"):
-            took = datetime.fromisoformat(stage["end"]) - datetime.fromisoformat(stage["start"])
-            seconds = f"{took.total_seconds():.1f}"
-        table.add_row(stage["name"], stage["status"], seconds)
-    console.print(table)
-    start, end = report["suspect_range"]
-    facts = Table(show_header=False, title="outcome")
-    facts.add_row("verdict", str(report["verdict"]))
-    facts.add_row("suspect steps", f"{start}..{end}")
-    replaced = ", ".join(f"{r['node']} → {r.get('new_node')}" for r in report["replaced"])
-    facts.add_row("replaced", replaced)
-    facts.add_row("checkpoint used", f"step {report['resumed_from_step']}")
-    facts.add_row("steps rolled back", str(end - report["resumed_from_step"]))
-    facts.add_row("reference fingerprint", report["reference_fingerprint"])
-    facts.add_row("recovered fingerprint", report["recovered_fingerprint"])
-    facts.add_row("exact recovery", "[green]yes, bit for bit[/]" if exact else "[red]NO[/]")
-    console.print(facts)
-
-
-def _mean_losses(path: Path) -> dict[int, float]:
-    out: dict[int, float] = {}
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rec = json.loads(line)
-            losses = [float(x) for x in rec["losses"]]
-            out[int(rec["step"])] = sum(losses) / len(losses)
-    return out
-
-
-def _plot(
-    path: Path, run_dir: Path, *, resumed_step: int, fault_step: int, alarm_step: int
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    curves = {
-        "reference": _mean_losses(run_dir / "reference.trace.jsonl"),
-        "faulty": _mean_losses(run_dir / f"{_JOB}.trace.jsonl"),
-        "recovered": _mean_losses(run_dir / f"{_JOB}.trace.resumed-{resumed_step}.jsonl"),
-    }
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    styles = {"reference": ("black", "-", 3.0), "faulty": ("tab:red", "-", 1.5),
-              "recovered": ("tab:green", "--", 1.5)}  # fmt: skip
-    # Scale to the healthy curves: corrupted losses can be ~1e35 and would flatten them.
-    healthy = [v for name in ("reference", "recovered") for v in curves[name].values()]
-    low, high = min(healthy), max(healthy)
-    pad = (high - low) * 0.15 or 0.1
-    top = high + pad
-    for name, points in curves.items():
-        if not points:
-            continue
-        steps = sorted(points)
-        colour, style, width = styles[name]
-        shown = [min(points[s], top) for s in steps]
-        ax.plot(steps, shown, style, color=colour, lw=width, label=name)
-        off = [s for s in steps if points[s] > top]
-        if off:
-            peak = max(points[s] for s in off)
-            label = f"{name}: loss off scale (up to {peak:.1e})"
-            ax.plot(off, [top] * len(off), "^", color=colour, ms=8, label=label)
-    ax.set_ylim(low - pad, top + pad)
-    ax.axvline(fault_step, color="tab:red", ls=":", label=f"fault from step {fault_step}")
-    ax.axvline(alarm_step, color="tab:orange", ls="-.", label=f"alarm (step {alarm_step})")
-    ax.axvline(resumed_step, color="tab:green", ls=":", label=f"resume after step {resumed_step}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean loss across ranks")
-    ax.set_title("sdcguard demo: silent data corruption caught, node replaced, exact recovery")
-    ax.legend(loc="best", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

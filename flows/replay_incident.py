@@ -26,7 +26,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+from prefect.settings import PREFECT_API_URL, temporary_settings
 from rich.console import RenderableType
 from rich.text import Text
 
@@ -43,6 +43,7 @@ from db import (
 from flows.approval import ApprovalChoice, ApprovalDecision, submit_decision
 from flows.incident import respond
 from flows.policy import IncidentPolicy
+from flows.prefect_server import one_prefect_server
 from flows.report import incident_renderables
 from flows.wiring import Backends, LocalJobCatalog, LocalNodeDirectory, use_backends
 from recovery.aws_local import create_demo_cluster, start_local_aws
@@ -183,11 +184,15 @@ def rehearse(
         )
         log.warning(REHEARSAL_NOTICE, extra={"incident": rehearsed.id, "job": recorded.job_id})
         try:
-            answering = _answer(rehearsed.id, incident_id, decision, policy)
-            with use_backends(backends):
-                summary = respond(rehearsed.id, policy)
-            if answering is not None:
-                answering.join(timeout=10)
+            # One Prefect API for the flow and the approver thread: the configured one, or one
+            # server started here. Left to themselves, each would start a temporary server of
+            # its own, and the approver would wait for a run on a server that has none.
+            with one_prefect_server(workdir / "prefect") as server:
+                answering = _answer(rehearsed.id, incident_id, decision, policy, server.api_url)
+                with use_backends(backends):
+                    summary = respond(rehearsed.id, policy)
+                if answering is not None:
+                    answering.join(timeout=10)
         finally:
             jobs.stop(JobRef(recorded.job_id, kind=JobKind.LOCAL))
     return Rehearsal(
@@ -284,7 +289,11 @@ def _copy_incident(ledger: Ledger, incident: IncidentView) -> IncidentView:
 
 
 def _answer(
-    rehearsal_id: str, source_id: str, decision: RehearsalDecision, policy: IncidentPolicy
+    rehearsal_id: str,
+    source_id: str,
+    decision: RehearsalDecision,
+    policy: IncidentPolicy,
+    api_url: str,
 ) -> threading.Thread | None:
     """Answer the rehearsal's approval form from a thread, as a person would in the UI."""
     if decision not in (RehearsalDecision.APPROVE, RehearsalDecision.REJECT):
@@ -294,14 +303,11 @@ def _answer(
         approver=_APPROVER,
         reason=f"rehearsal of incident {source_id}",
     )
-    api_url = get_current_settings().api.url
 
     def run() -> None:
+        # A new thread has no settings context of its own: name the flow's API explicitly.
         try:
-            if api_url:
-                with temporary_settings({PREFECT_API_URL: api_url}):
-                    submit_decision(rehearsal_id, answer, timeout_s=policy.approval_timeout_s)
-            else:
+            with temporary_settings({PREFECT_API_URL: api_url}):
                 submit_decision(rehearsal_id, answer, timeout_s=policy.approval_timeout_s)
         except TimeoutError as err:
             log.error("rehearsal approval not submitted: %s", err, extra={"incident": rehearsal_id})

@@ -94,6 +94,13 @@ def _check_report(report: dict, config: DemoConfig) -> None:
     assert report["final_fingerprint"] != report["reference_fingerprint"]
     first = min(a["step"] for a in report["alarms"])
     assert config.fault_step <= first
+    # as in production, the faulty job still ran when its alarm came (halted by its guard,
+    # waiting): the stop stage stopped it, its process group is gone, and its report ends at
+    # the alarm's step
+    assert report["stop"]["running_at_alarm"] is True
+    assert report["stop"]["result"] == "stopped", report["stop"]
+    assert report["stop"]["pid_alive"] is False
+    assert report["stopped_after_step"] == first
     assert all(a["suspect_nodes"] == [config.faulty_node] for a in report["alarms"])
     resumed_nodes = report["resumed_nodes"]
     assert config.faulty_node not in resumed_nodes

@@ -1,139 +1,176 @@
-"""Approval by a human in the real Prefect UI, in a real browser.
+"""A newcomer approves in the Prefect UI exactly what ``sdcguard demo --approve-in-ui`` prints.
 
-A ``prefect server start`` with its UI, the incident flow paused for approval on it, and Debian's
-chromium driven by Playwright the way an approver works: open the UI at the server's root, go to
-Runs, open the incident's run, Resume, read the evidence, fill in the form Prefect renders from
-:class:`flows.approval.ApprovalDecision`, submit. Nothing else answers the form, so the incident
-ending ``resolved`` with the approver and reason typed in the browser proves that the UI's form
-reached the flow and the ledger.
+The demo runs as a subprocess from an environment with no ``PREFECT_*`` setting (and a home of
+its own, so no profile either): it starts its one Prefect server, runs the incident flow on it
+and prints the address of the paused run. Debian's chromium, driven by Playwright, opens that
+address — nothing else — and answers the form the way an approver does: Resume, read the
+evidence, choose approve, name the approver and the reason, and keep only one of the two
+suspect nodes. Nothing else answers the form, so the demo ending exact with that approver and
+that reason in the ledger, and only that node replaced, proves the address was the right one
+and the UI's answer reached the flow.
 
-The site is the flow tests' (``tests/flows/test_incident.py``): a SQLite ledger, a simulated
-cluster, local processes as the training job, packaged telemetry, HyperPod on moto over HTTP and
-the replay nodes reduced to their answers (node-2 computes something else from step 33 on).
+The scenario is the demo's ``--transient``: a one-off upset of node-2 at an audited step, which
+the ring audit can only pin on a pair (node-0 audited node-2), which no replay reproduces.
+Afterwards no process of the demo is left: not its Prefect server, not a training process.
 
-Screenshots of the filled-in form and of the finished run are kept in ``artifacts/ui-approval/``.
+Screenshots (the filled-in form; the page as it was on failure) go to ``artifacts/ui-approval/``.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+import psutil
 import pytest
 from playwright.sync_api import Locator, Page, expect
-from prefect.client.orchestration import get_client
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from db import IncidentState
-from flows.approval import ApprovalChoice, artifact_key, flow_run_name
-from flows.policy import IncidentPolicy
-from tests.e2e.conftest import UI_TIMEOUT_MS, IncidentFlowThread, PrefectUI
-from tests.flows.test_incident import FAULTY, Site
+from db import IncidentState, Ledger
+from flows.approval import ApprovalChoice, artifact_key
+from recovery.cluster import LocalCluster
+from tests.e2e.conftest import UI_TIMEOUT_MS
+from tests.e2e.processes import CliProcess, cli_process, prefect_processes
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
-# A human decides: no auto-approval, and far more time to answer than the test needs.
-BY_HAND = IncidentPolicy(auto_approve=False, approval_timeout_s=600, task_retries=2)
 APPROVER = "carol.approver@example.com"
-REASON = "replay on the spares names node-2 from step 33: replace it"
+REASON = "the upset was node-2's own step; node-0 only audited it: replace node-2"
+APPROVED, NOT_APPROVED = "node-2", "node-0"
+RUN_ADDRESS = re.compile(r"approve at (http://\S+/runs/flow-run/[0-9a-f-]{36})\s*$")
+# The demo's own scale, shortened: the upset at step 10 (an audited step), 16 steps in all.
+DEMO_ARGS = ["--approve-in-ui", "--transient", "--steps", "16", "--fault-step", "10"]
 
 
-def _form_label(schema: dict[str, Any], field: str) -> str:
-    """The label Prefect's form shows for ``field``: its JSON-schema title, or — for a field
-    that refers to a definition, as an enum does — the definition's title."""
-    prop = schema["properties"][field]
-    if "title" in prop:
-        return str(prop["title"])
-    definition = prop["$ref"].rsplit("/", 1)[-1]
-    return str(schema["$defs"][definition]["title"])
+@pytest.fixture
+def newcomer_demo(tmp_path: Path) -> Iterator[CliProcess]:
+    args = ["demo", *DEMO_ARGS, "--report", str(tmp_path / "report.json")]
+    with cli_process(args, tmp_path / "demo", tmp_path / "home") as demo:
+        yield demo
 
 
-def _form_field(dialog: Locator, schema: dict[str, Any], field: str) -> Locator:
-    """The control of ``field`` in the form: the element its ``<label for=…>`` names, as the
-    browser associates the two (a select's own aria-label hides the label from role queries)."""
-    label = dialog.locator("label").filter(
-        has_text=re.compile(rf"^\s*{re.escape(_form_label(schema, field))}\s*$")
+def _form_property(dialog: Locator, title: str) -> Locator:
+    """One field of the form Prefect renders from the run's input schema, by its label."""
+    return dialog.locator(
+        "xpath=.//div[contains(concat(' ', @class, ' '), ' schema-form-property ')]"
+        "[./div[contains(@class, 'p-label__header')]"
+        f"//span[contains(@class, 'schema-form-property__label') and normalize-space()='{title}']]"
     )
-    control_id = label.get_attribute("for", timeout=UI_TIMEOUT_MS)
-    assert control_id, f"the label of {field!r} names no control"
-    return dialog.locator(f"[id='{control_id}']")
 
 
-def _open_paused_run(page: Page, ui: PrefectUI, incident_id: str) -> None:
-    """From the UI's front page to the incident's run, through the runs list."""
-    page.goto(ui.root_url + "/")
-    page.get_by_role("link", name="Runs", exact=True).click()
-    page.get_by_role("link", name=flow_run_name(incident_id), exact=True).click()
+def _node_items(dialog: Locator) -> Locator:
+    return _form_property(dialog, "Nodes (Optional)").locator(".schema-form-property-array-item")
 
 
-def test_an_approver_resolves_the_incident_through_the_prefect_ui_form(
-    site: Site,
-    prefect_ui: PrefectUI,
-    incident_flow: IncidentFlowThread,
-    ui_page: Page,
-    ui_artifacts: Path,
+def _listed_nodes(dialog: Locator) -> list[str]:
+    items = _node_items(dialog)
+    return [items.nth(i).locator("textarea").input_value() for i in range(items.count())]
+
+
+def _approve_only(page: Page, dialog: Locator, node: str) -> None:
+    """Choose approve, sign, and remove every listed node but ``node`` from the form."""
+    decision = _form_property(dialog, "Decision")
+    choose_decision(page, decision, ApprovalChoice.APPROVE.value)
+    _form_property(dialog, "Approver").locator("textarea").fill(APPROVER)
+    _form_property(dialog, "Reason").locator("textarea").fill(REASON)
+    for other in [n for n in _listed_nodes(dialog) if n != node]:
+        row = _node_items(dialog).nth(_listed_nodes(dialog).index(other))
+        row.get_by_role("button").first.click()  # the row's delete button
+    expect(_node_items(dialog)).to_have_count(1, timeout=UI_TIMEOUT_MS)
+    assert _listed_nodes(dialog) == [node]
+
+
+def choose_decision(page: Page, decision: Locator, value: str) -> None:
+    """Pick ``value`` in the decision select. The select opens its options on a click or on
+    ArrowDown (and, closed, ArrowDown may pick the next option at once): whichever happens, the
+    option is clicked once it shows, and the select must end showing ``value``."""
+    control = decision.locator("button.p-select-button__control")
+    shown = decision.locator(".p-select-button__value")
+    option = page.get_by_text(value, exact=True)
+    for attempt in range(2 * len(ApprovalChoice)):
+        if shown.inner_text().strip() == value:
+            return
+        if attempt % 2 == 0:
+            control.click()
+        else:
+            control.focus()
+            page.keyboard.press("ArrowDown")
+        page.wait_for_timeout(500)
+        visible = [o for o in option.all() if o.is_visible()]
+        if visible:
+            visible[0].click()
+            page.wait_for_timeout(300)
+    raise AssertionError(f"the decision select never showed {value!r}")
+
+
+def test_a_newcomer_approves_one_of_two_nodes_at_the_address_the_demo_prints(
+    newcomer_demo: CliProcess, ui_page: Page, ui_artifacts: Path, tmp_path: Path
 ) -> None:
-    page = ui_page
-    incident_flow.start(BY_HAND)
-    paused = incident_flow.wait_until_paused(timeout_s=180)
-    assert site.incident().state is IncidentState.AWAITING_APPROVAL
+    demo, page = newcomer_demo, ui_page
+    url = demo.wait_for_line(RUN_ADDRESS, timeout_s=900).group(1)
+    servers = prefect_processes(demo.note_processes())
+    assert servers, f"no Prefect server under the demo:\n{demo.output}"
+    # the faulty job was running when its alarm came (the console wraps at its width)
+    assert "while the job still runs" in " ".join(demo.output.split())
 
-    _open_paused_run(page, prefect_ui, site.incident_id)
-    expect(page).to_have_url(re.compile(rf"/runs/flow-run/{paused.id}\b"), timeout=UI_TIMEOUT_MS)
+    page.goto(url)
     expect(page.get_by_text("Paused", exact=True).first).to_be_visible(timeout=UI_TIMEOUT_MS)
-
-    # The run's actions menu: Resume opens the form rendered from the run's input schema.
-    page.get_by_role("button", name="Open menu", exact=True).click()
-    page.get_by_role("menuitem", name="Resume", exact=True).click()
-    dialog = page.get_by_role("dialog", name="Resume Flow Run")
+    page.get_by_role("button", name="Resume", exact=True).click()
+    dialog = page.get_by_role("dialog").filter(has_text="Resume Flow Run")
     expect(dialog).to_be_visible(timeout=UI_TIMEOUT_MS)
-    # the evidence the approver decides on is on the form itself
-    evidence_title = f"Incident {site.incident_id} — approval needed"
-    expect(dialog.get_by_role("heading", name=evidence_title)).to_be_visible(timeout=UI_TIMEOUT_MS)
-    expect(dialog).to_contain_text(f"hardware on {FAULTY}", timeout=UI_TIMEOUT_MS)
-
-    decision = _form_field(dialog, paused.form_schema, "decision")
+    # the evidence the approver decides on is on the form: two suspects, nothing reproduced
+    expect(dialog).to_contain_text("approval needed", timeout=UI_TIMEOUT_MS)
+    expect(dialog).to_contain_text("no node reproduces it", timeout=UI_TIMEOUT_MS)
+    expect(_node_items(dialog)).to_have_count(2, timeout=UI_TIMEOUT_MS)  # rendered just after
+    assert sorted(_listed_nodes(dialog)) == [NOT_APPROVED, APPROVED]
     # no decision is preselected: the approver must choose
-    expect(decision).not_to_contain_text(ApprovalChoice.APPROVE.value, timeout=UI_TIMEOUT_MS)
-    decision.click()
-    page.get_by_role("option", name=ApprovalChoice.APPROVE.value, exact=True).click()
-    expect(decision).to_contain_text(ApprovalChoice.APPROVE.value, timeout=UI_TIMEOUT_MS)
-    _form_field(dialog, paused.form_schema, "approver").fill(APPROVER)
-    reason = _form_field(dialog, paused.form_schema, "reason")
-    reason.fill(REASON)
-    reason.scroll_into_view_if_needed()
-    page.screenshot(path=str(ui_artifacts / "approval-form.png"))
+    chosen = _form_property(dialog, "Decision").locator(".p-select-button__value")
+    expect(chosen).to_have_text("", timeout=UI_TIMEOUT_MS)
 
-    dialog.get_by_role("button", name="Resume", exact=True).click()
-    expect(page.get_by_text("Flow run resumed")).to_be_visible(timeout=UI_TIMEOUT_MS)
+    _approve_only(page, dialog, APPROVED)
+    page.screenshot(path=str(ui_artifacts / "approval-form.png"))
+    dialog.get_by_role("button", name="Submit", exact=True).click()
     expect(dialog).to_be_hidden(timeout=UI_TIMEOUT_MS)
 
-    summary = incident_flow.join(timeout_s=120)
-    incident = site.incident()
+    assert demo.wait(timeout_s=600) == 0, demo.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["recovered_fingerprint"] == report["reference_fingerprint"]
+    assert report["final_fingerprint"] != report["reference_fingerprint"]
+    assert sorted(report["suspect_nodes"]) == [NOT_APPROVED, APPROVED]
+    assert [r["node"] for r in report["replaced"]] == [APPROVED]
+    assert report["approval"]["approver"] == APPROVER
+    assert report["approval"]["reason"] == REASON
+    # the stop stage found the faulty job running and stopped it; its process group is gone
+    assert report["stop"]["running_at_alarm"] is True
+    assert report["stop"]["result"] == "stopped", report["stop"]
+    assert report["stop"]["pid_alive"] is False
+    assert not psutil.pid_exists(report["stop"]["pid"])
+    assert report["stopped_after_step"] == min(a["step"] for a in report["alarms"])
+
+    run_dir = demo.workdir / "run"
+    with Ledger.from_url(f"sqlite:///{run_dir / 'ledger.db'}") as ledger:
+        incident = ledger.get_incident(report["incident_id"])
     assert incident.state is IncidentState.RESOLVED, incident.reason
     assert (incident.decision, incident.approver, incident.approval_reason) == (
         ApprovalChoice.APPROVE.value,
         APPROVER,
         REASON,
     )
-    assert summary["approval"]["approver"] == APPROVER
-    assert [r["node"] for r in summary["replaced"]] == [FAULTY]
+    assert (incident.evidence or {})["approval"]["nodes"] == [APPROVED]
+    cluster = LocalCluster(run_dir / "cluster.json")
+    assert not cluster.node(NOT_APPROVED).unschedulable  # not approved: back to work
+    assert APPROVED not in {n.name for n in cluster.nodes()}
 
-    with (
-        temporary_settings(updates={PREFECT_API_URL: prefect_ui.api_url}),
-        get_client(sync_client=True) as client,
-    ):
-        run = client.read_flow_run(paused.id)
-    assert run.state is not None
-    assert run.state.is_completed(), run.state
+    # The run and the report it published are on the demo's server: its own database, read
+    # now that the server is stopped.
+    with sqlite3.connect(demo.workdir / "prefect" / "prefect.db") as db:
+        run_id = url.rsplit("/", 1)[-1]
+        (state,) = db.execute("SELECT state_type FROM flow_run WHERE id = ?", (run_id,)).fetchone()
+        keys = {k for (k,) in db.execute("SELECT key FROM artifact WHERE key IS NOT NULL")}
+    assert state == "COMPLETED"
+    assert artifact_key(report["incident_id"], "report") in keys
 
-    # The run's page now: completed, with the incident report the flow published after the
-    # approval. (Task runs are not checked here: they reach a server through Prefect's events
-    # worker, a per-process singleton that may still point at another test's server.)
-    page.reload()
-    expect(page.get_by_text("Completed", exact=True).first).to_be_visible(timeout=UI_TIMEOUT_MS)
-    page.get_by_role("tab", name="Artifacts", exact=True).click()
-    report_key = artifact_key(site.incident_id, "report")
-    expect(page.get_by_text(report_key).first).to_be_visible(timeout=UI_TIMEOUT_MS)
-    page.screenshot(path=str(ui_artifacts / "run-completed.png"), full_page=True)
+    assert demo.left_behind() == [], "processes of the demo outlived it"
+    assert not any(p.is_running() for p in servers)
