@@ -359,7 +359,7 @@ class IncidentsMixin(LedgerBase):
                 f"no decision by the deadline {deadline.isoformat()}: nodes stay cordoned, "
                 "nothing replaced, training stays stopped"
             )
-            record = {
+            record: dict[str, Any] = {
                 "decision": "expire",
                 "approver": None,
                 "reason": why,
