@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import shutil
 import time
@@ -46,7 +45,7 @@ from db.migrate import upgrade
 from flows.demo_flow import DemoError, FlowThread, follow_flow, stop_record
 from flows.demo_report import demo_report, plot_losses, print_summary
 from flows.policy import IncidentPolicy
-from flows.prefect_server import PrefectServer
+from flows.prefect_server import PrefectServer, environ
 from flows.recovery_settings import AwsSettings, PolicySettings, RecoverySettings
 from flows.serve import run_in_thread
 from flows.webhook import create_app
@@ -184,7 +183,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         # Every training process of the demo (the resumed one is started by the flow) signs its
         # alarms with this secret, as a pod would read it from its environment.
-        stack.enter_context(_environ(SDCGUARD_WEBHOOK_SECRET=secret))
+        stack.enter_context(environ(SDCGUARD_WEBHOOK_SECRET=secret))
         stack.callback(_stop_all, jobs, [reference_ref, job_ref])
         aws = stack.enter_context(_local_aws(config))
         all_nodes = config.nodes() + config.spare_nodes()
@@ -290,20 +289,6 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         if not exact:
             raise DemoError("the recovered weights differ from the reference: recovery not exact")
     return report
-
-
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def _stop_all(jobs: LocalJobControl, refs: list[JobRef]) -> None:

@@ -169,13 +169,11 @@ def one_prefect_server(home: Path) -> Iterator[PrefectServer]:
 
 
 @contextlib.contextmanager
-def _process_settings(**values: str) -> Iterator[None]:
-    """Set Prefect settings for the whole process (environment and global context)."""
-    from prefect.context import refresh_global_settings_context
-
+def environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the block; the previous values (or their absence) are
+    restored after it, whatever ends it."""
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
-    refresh_global_settings_context()
     try:
         yield
     finally:
@@ -184,6 +182,18 @@ def _process_settings(**values: str) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
+
+
+@contextlib.contextmanager
+def _process_settings(**values: str) -> Iterator[None]:
+    """Set Prefect settings for the whole process (environment and global context)."""
+    from prefect.context import refresh_global_settings_context
+
+    try:
+        with environ(**values):
+            refresh_global_settings_context()
+            yield
+    finally:
         refresh_global_settings_context()
 
 
