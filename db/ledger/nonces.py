@@ -2,12 +2,13 @@
 
 Invariant: a nonce is claimed (``True``) exactly once while it is kept — across threads,
 processes and webhook replicas, since the claim is a row under a primary key in the shared
-ledger. The claim is one ``INSERT … ON CONFLICT DO UPDATE … WHERE seen_at < cutoff RETURNING``
-per chunk: a new nonce is inserted, an expired one is taken over, a kept one is left alone and
-not returned. A rival inserting the same nonce at the same moment holds its row until it commits
-or rolls back; the statement waits for it and then answers from the winner's row, so no race
-needs a re-run. Nonces are kept for ``keep`` after they were seen, which the webhook sets to
-more than twice its signing window: a replay later than that is refused by its timestamp.
+ledger. The claim is, per chunk, a ``DELETE`` of the chunk's expired rows and one
+``INSERT … ON CONFLICT DO NOTHING RETURNING``: a new nonce is inserted, an expired one is taken
+over, a kept one is left alone and not returned. A rival inserting the same nonce at the same
+moment holds its row until it commits or rolls back; the statement waits for it and then
+answers from the winner's row, so no race needs a re-run. Nonces are kept for ``keep`` after
+they were seen, which the webhook sets to more than twice its signing window: a replay later
+than that is refused by its timestamp.
 
 :func:`claim_in` runs inside the caller's transaction, so a request's nonce can be claimed in
 the very transaction that records what the request asked for — then the nonce is consumed
@@ -75,18 +76,26 @@ def claim_in(
     cutoff = now - keep
     dialect = s.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    base = insert(RequestNonceRow)
-    # One statement text for every batch (the cutoff is a parameter, the rows an executemany
-    # that SQLAlchemy sends as multi-row VALUES): compiled once, not once per batch size.
-    stmt = base.on_conflict_do_update(
-        index_elements=[RequestNonceRow.nonce],
-        set_={"key_id": base.excluded.key_id, "seen_at": base.excluded.seen_at},
-        where=RequestNonceRow.seen_at < bindparam("cutoff", type_=RequestNonceRow.seen_at.type),
-    ).returning(RequestNonceRow.nonce)
+    # Taking over an expired nonce is a DELETE then an INSERT, never ``ON CONFLICT DO
+    # UPDATE``: the runtime role holds INSERT and DELETE on the replay store, not UPDATE
+    # (db/roles.py). A rival deleting the same expired row waits for ours, then finds it gone
+    # and loses at the INSERT, which sees our committed row. One statement text for every
+    # batch (the rows an executemany that SQLAlchemy sends as multi-row VALUES): compiled
+    # once, not once per batch size.
+    take_over = delete(RequestNonceRow).where(
+        RequestNonceRow.nonce.in_(bindparam("chunk", expanding=True)),
+        RequestNonceRow.seen_at < bindparam("cutoff", type_=RequestNonceRow.seen_at.type),
+    )
+    stmt = (
+        insert(RequestNonceRow)
+        .on_conflict_do_nothing(index_elements=[RequestNonceRow.nonce])
+        .returning(RequestNonceRow.nonce)
+    )
     won: set[str] = set()
     for start in range(0, len(wanted), _ROWS_PER_STATEMENT):
         chunk = wanted[start : start + _ROWS_PER_STATEMENT]
-        rows = [{"nonce": n, "key_id": first[n], "seen_at": now, "cutoff": cutoff} for n in chunk]
+        s.execute(take_over, {"chunk": chunk, "cutoff": cutoff})
+        rows = [{"nonce": n, "key_id": first[n], "seen_at": now} for n in chunk]
         won.update(s.scalars(stmt, rows))
     result: list[bool] = []
     for nonce, _ in claims:
