@@ -38,8 +38,12 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The suite waits mostly on other processes (Prefect servers, training ranks, flows), not on
+# the CPU: two workers, each with its own session fixtures; a file's tests stay together.
+TEST_WORKERS ?= 2
+
 test: install lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 bench: install
 	$(PY) benchmarks/fingerprint.py
