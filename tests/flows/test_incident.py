@@ -913,7 +913,12 @@ def test_real_replay_names_the_faulty_node_and_recovery_matches_a_clean_run(
     policy = FAST.model_copy(update={"storm_node_share": 1.0})
     answer = {"decision": "approve", "approver": "carol", "reason": "replay names node-1"}
     try:
-        with use_backends(backends), Approver(opened.incident_id, answer) as approver:
+        # The run pauses only after real training replays, whose time grows with the
+        # machine's load: the approver waits for the pause as long as the test may take.
+        with (
+            use_backends(backends),
+            Approver(opened.incident_id, answer, timeout_s=300) as approver,
+        ):
             summary = incident_response(opened.incident_id, policy)
         assert approver.error is None
         assert summary["verdict"] == "hardware"
