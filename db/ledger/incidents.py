@@ -236,14 +236,7 @@ class IncidentsMixin(LedgerBase):
             now = self._clock()
             if current == IncidentState.EXPIRED:
                 back = IncidentState.AWAITING_APPROVAL
-                row.decision = row.approver = row.approval_reason = None
-                row.decided_at = None
-                row.evidence = {
-                    k: v
-                    for k, v in (row.evidence or {}).items()
-                    if k not in ("approval", "approval_request")
-                }
-                _reopen_stage(s, row.id, "approval", now)
+                _clear_decision(s, row, now, outcome="reopened by a retry")
             row.state = back
             row.closed_at = None
             row.reason = f"retried by {who}: {why}"
@@ -299,12 +292,7 @@ class IncidentsMixin(LedgerBase):
                 "nodes": list((evidence.get("approval") or {}).get("nodes") or []),
             }
             now = self._clock()
-            row.decision = row.approver = row.approval_reason = None
-            row.decided_at = None
-            row.evidence = {
-                k: v for k, v in evidence.items() if k not in ("approval", "approval_request")
-            }
-            _reopen_stage(s, row.id, "approval", now, outcome=f"decision withdrawn: {why}")
+            _clear_decision(s, row, now, outcome=f"decision withdrawn: {why}")
             row.reason = f"decision withdrawn by {who}: {why}"
             row.updated_at = now
             s.add(
@@ -395,6 +383,17 @@ class IncidentsMixin(LedgerBase):
 
 
 _RETRYABLE = frozenset({IncidentState.FAILED, IncidentState.EXPIRED})
+
+
+def _clear_decision(s: Session, row: IncidentRow, now: Any, *, outcome: str) -> None:
+    """Forget an incident's decision and the request put to its approver, and reopen the
+    approval stage, so the next run asks a human afresh (new nodes, new deadline)."""
+    row.decision = row.approver = row.approval_reason = None
+    row.decided_at = None
+    row.evidence = {
+        k: v for k, v in (row.evidence or {}).items() if k not in ("approval", "approval_request")
+    }
+    _reopen_stage(s, row.id, "approval", now, outcome=outcome)
 
 
 def _reopen_stage(
