@@ -181,8 +181,12 @@ def _rank_main(
     Path(out).write_bytes(pickle.dumps(result))
 
 
-def launch(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` (a module-level function) in ``world`` gloo ranks."""
+def launch(
+    fn: Callable[..., Any], world: int, *args: Any, timeout_s: float | None = None
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` (a module-level function) in ``world`` gloo ranks and
+    return each rank's result. Ranks still alive after ``timeout_s`` are killed; every rank
+    that failed or left no result is named in one ``RuntimeError``."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.nn.parallel", "detection.guard"])
     store = dist.TCPStore(
@@ -197,15 +201,23 @@ def launch(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         for proc in procs:
             proc.start()
         for proc in procs:
-            proc.join()
+            proc.join(timeout_s)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
         results = []
+        failures = []
         for rank, out in enumerate(outs):
             if not Path(out).exists():
-                raise RuntimeError(f"rank {rank} left no result (exit {procs[rank].exitcode})")
+                failures.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
+                continue
             status, value = pickle.loads(Path(out).read_bytes())
             if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                failures.append(f"rank {rank} failed:\n{value}")
             results.append(value)
+    if failures:
+        raise RuntimeError("\n".join(failures))
     return results
 
 
