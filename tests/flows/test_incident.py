@@ -909,7 +909,8 @@ def test_real_replay_names_the_faulty_node_and_recovery_matches_a_clean_run(
         catalog=LocalJobCatalog(tmp_path / "jobs"),
         description="real replay test",
     )
-    # two nodes of a two-node job are all of it: let the storm guard through for this test
+    # A run parameter can only tighten the server's policy: this share is bounded back to the
+    # server's 25 %, so two nodes of a two-node job are a storm and a human approves.
     policy = FAST.model_copy(update={"storm_node_share": 1.0})
     answer = {"decision": "approve", "approver": "carol", "reason": "replay names node-1"}
     try:
