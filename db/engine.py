@@ -66,7 +66,8 @@ def create_engine_for(url: str | URL, **kwargs: Any) -> Engine:
         options: dict[str, Any] = {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20}
         connect_args: dict[str, Any] = {
             "options": f"-c statement_timeout={POSTGRES_STATEMENT_TIMEOUT_MS} "
-            f"-c lock_timeout={POSTGRES_LOCK_TIMEOUT_MS}"
+            f"-c lock_timeout={POSTGRES_LOCK_TIMEOUT_MS}",
+            "prepare_threshold": None,
         }
         connect_args.update(kwargs.pop("connect_args", {}))
         options["connect_args"] = connect_args

@@ -174,6 +174,7 @@ def serve(
             port=port,
             access_log=False,
             log_level="info",
+            http="httptools",  # a dependency: never the pure-Python parser by accident
             ssl_certfile=str(cert) if cert else None,
             ssl_keyfile=str(key) if key else None,
         )

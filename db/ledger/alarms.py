@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import exists, func, insert, select
+from sqlalchemy import Table, exists, func, insert, select
 from sqlalchemy.orm import Session
 
 from db.enums import IncidentState
@@ -156,11 +156,15 @@ class AlarmsMixin(LedgerBase):
     def _record_alarms(self, s: Session, batch: Sequence[AlarmIn]) -> list[AlarmOutcome]:
         """The body of :meth:`record_alarms`: set-based, a fixed number of round trips.
 
-        Statements per batch: look up the stored ids; lock (or create) the jobs of the new
-        alarms, in id order so that concurrent batches cannot deadlock; look the ids up again
-        (the locks serialised us behind any rival recording them); lock the open incidents;
+        Statements per batch: lock (or create) the jobs of the alarms, in id order so that
+        concurrent batches cannot deadlock; look up the stored ids (the locks serialised us
+        behind any rival recording them, so one look-up is enough); lock the open incidents;
         open the missing ones; widen each incident once; one executemany INSERT of the new alarms.
         """
+        jobs = sorted({alarm.job_id for alarm in batch})
+        self._lock_jobs(s, jobs)
+        # Looked up once, under the jobs' locks: a rival recording the same ids has committed
+        # by now, so what is not stored here is new.
         stored = _stored_alarm_incidents(s, [alarm.alarm_id for alarm in batch], batch)
         fresh: dict[str, AlarmIn] = {}  # first copy of each new id: later copies are duplicates
         for alarm in batch:
@@ -169,9 +173,6 @@ class AlarmsMixin(LedgerBase):
                 _same_alarm(alarm.alarm_id, _content(first), alarm)
         if not fresh:
             return [AlarmOutcome(stored[a.alarm_id], duplicate=True, opened=False) for a in batch]
-        jobs = sorted({alarm.job_id for alarm in fresh.values()})
-        self._lock_jobs(s, jobs)
-        stored.update(_stored_alarm_incidents(s, list(fresh), batch))
         incidents = _active_incidents(s, jobs)
         job_nodes = _job_nodes(s, jobs, list(fresh.values()))
         now = self._clock()
@@ -231,7 +232,10 @@ class AlarmsMixin(LedgerBase):
         for grown in growth.values():  # before the INSERT: it asks about earlier alarms only
             self._widen(s, grown)
         if rows:  # empty when a rival stored every one of them while we waited for the lock
-            s.execute(insert(AlarmRow), rows)
+            # A Core INSERT of the table (one executemany), not the ORM's bulk path: these rows
+            # are never loaded as objects, and in a storm the ORM's per-row work cost more CPU
+            # than the database did.
+            s.execute(insert(_ALARMS), rows)
         return outcomes
 
     def _lock_jobs(self, s: Session, job_ids: Sequence[str]) -> None:
@@ -325,6 +329,13 @@ class _Growth:
 # job, step, layer, phase and suspects), and two reporters of that event — another rank, or the
 # job's re-run after a restart — send it from another rank and node, and at another time.
 _CONTENT = ("job_id", "step", "layer", "phase")
+_ALARMS = cast(Table, AlarmRow.__table__)
+_CONTENT_COLUMNS = (
+    *(getattr(AlarmRow, name) for name in _CONTENT),
+    AlarmRow.suspect_ranks,
+    AlarmRow.suspect_nodes,
+    AlarmRow.detail,
+)
 
 
 def _content(alarm: AlarmIn) -> dict[str, Any]:
@@ -357,9 +368,11 @@ def _stored_alarm_incidents(
     by_id: dict[str, list[AlarmIn]] = {}
     for alarm in batch:
         by_id.setdefault(alarm.alarm_id, []).append(alarm)
+    columns = [AlarmRow.id, AlarmRow.incident_id, *_CONTENT_COLUMNS]
     for chunk in _chunks(list(dict.fromkeys(alarm_ids))):
-        rows = s.scalars(select(AlarmRow).where(AlarmRow.id.in_(chunk)))
-        for row in rows:
+        # Columns, not ORM objects: in a storm almost every id is new and nothing comes back,
+        # and what does is only compared, never changed.
+        for row in s.execute(select(*columns).where(AlarmRow.id.in_(chunk))):
             result[row.id] = row.incident_id
             known = {
                 **{name: getattr(row, name) for name in _CONTENT},

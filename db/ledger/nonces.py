@@ -22,8 +22,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import cast
 
-from sqlalchemy import bindparam, delete
+from sqlalchemy import Table, bindparam, delete
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -38,6 +39,7 @@ NonceClaim = tuple[str, str]
 
 # Rows per INSERT … VALUES statement: 3 bind parameters each, far below every backend's limit.
 _ROWS_PER_STATEMENT = 500
+_NONCES = cast(Table, RequestNonceRow.__table__)
 
 
 @dataclass(frozen=True)
@@ -86,10 +88,10 @@ def claim_in(
         RequestNonceRow.nonce.in_(bindparam("chunk", expanding=True)),
         RequestNonceRow.seen_at < bindparam("cutoff", type_=RequestNonceRow.seen_at.type),
     )
-    stmt = (
-        insert(RequestNonceRow)
+    stmt = (  # of the table (Core): the rows are never loaded as objects
+        insert(_NONCES)
         .on_conflict_do_nothing(index_elements=[RequestNonceRow.nonce])
-        .returning(RequestNonceRow.nonce)
+        .returning(_NONCES.c.nonce)
     )
     won: set[str] = set()
     for start in range(0, len(wanted), _ROWS_PER_STATEMENT):

@@ -4,8 +4,10 @@ In a storm every rank of a job reports the same step at once, and one transactio
 serialises on that job's row. So ``POST /v1/alarms`` validates its alarm completely (the signed
 route's checks, the request model and the ledger's own checks), then hands it to
 :class:`AlarmBatcher`, whose single writer records whatever has queued up meanwhile with one
-``Ledger.record_alarms`` call. No request waits for a timer: a lone alarm is written at once,
-and the alarms that arrive during that write form the next batch. The contract per request is
+``Ledger.record_alarms`` call. A lone alarm is written at once, and the alarms that arrive
+during that write form the next batch; in a storm (alarms within 50 ms of the last batch) the
+writer lingers two milliseconds first, so that the senders it just answered can join (group
+commit). The contract per request is
 unchanged: its own outcome, its own status, the trigger fired once for the alarm that opened
 the incident.
 
@@ -49,6 +51,13 @@ _T = TypeVar("_T")
 # Alarms per ledger transaction. A 4,096-rank storm then commits in a handful of batches, and a
 # batch stays short enough that no request waits long behind it.
 DEFAULT_ALARM_BATCH = 512
+# In a storm (an alarm arriving within _STORM_WINDOW_S of the last batch's end), how long the
+# writer waits before taking the next batch. A batch costs a fixed number of round trips
+# whatever its size, and the senders the last batch answered are about to send again: two
+# milliseconds let more of them join, which in a 4,096-alarm burst on two cores shortened the
+# burst by about a tenth. An alarm that finds the writer idle for longer is written at once.
+_STORM_LINGER_S = 0.002
+_STORM_WINDOW_S = 0.05
 # How often a batch also deletes expired nonces: only the table's size depends on it.
 _PRUNE_EVERY_S = 60.0
 
@@ -152,6 +161,7 @@ class AlarmBatcher:
 
     async def _run(self) -> None:
         batch: list[_QueuedAlarm] = []
+        last_write = -_STORM_WINDOW_S  # monotonic end of the last batch's write
         try:
             while True:
                 if not self._queue:
@@ -160,12 +170,16 @@ class AlarmBatcher:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
+                stormy = time.monotonic() - last_write < _STORM_WINDOW_S
+                if stormy and len(self._queue) < self._max_batch and not self._closing:
+                    await asyncio.sleep(_STORM_LINGER_S)  # let the answered senders catch up
                 size = min(len(self._queue), self._max_batch)
                 batch = [self._queue.popleft() for _ in range(size)]
                 self._writing = size
                 await self._write(batch)
                 self._writing = 0
                 batch = []
+                last_write = time.monotonic()
         finally:
             self._writing = 0
             # Only reached with work left when the writer itself is cancelled or broken.
