@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -41,7 +42,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -454,7 +455,17 @@ class _NoLedger:
     Only the calls the alarm path makes exist; one incident id for every alarm, opened once.
     """
 
-    engine = SimpleNamespace(pool=None, dialect=SimpleNamespace(name="none"))
+    class _Engine:
+        """No pool, no database; ``/healthz``'s ``SELECT 1`` always answers."""
+
+        pool = None
+        dialect = SimpleNamespace(name="none")
+
+        @contextlib.contextmanager
+        def connect(self) -> Iterator[object]:
+            yield SimpleNamespace(execute=lambda _query: SimpleNamespace(scalar_one=lambda: 1))
+
+    engine = _Engine()
 
     def __init__(self) -> None:
         self._opened = False

@@ -153,8 +153,9 @@ class WebhookSettings(BaseSettings):
         le=100_000,
         description=(
             "Read budget of the whole service: reads per second (as many at once), above which "
-            "a read is answered 429 with Retry-After: 1 before any work is done for it. Reads "
-            "and alarms share the CPU; the budget keeps a flood from slowing alarm ingestion."
+            "a read is answered 429, with Retry-After the seconds until a read is taken again, "
+            "before any work is done for it. Reads and alarms share the CPU; the budget keeps "
+            "a flood from slowing alarm ingestion."
         ),
     )
     trigger: TriggerMode = Field(

@@ -19,6 +19,7 @@ import base64
 import binascii
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -522,6 +523,11 @@ class ReadBudget:
         self._tokens -= 1.0
         return True
 
+    def wait_s(self) -> int:
+        """Whole seconds until the next read would be taken (at least 1): a 429's Retry-After."""
+        missing = max(0.0, 1.0 - self._tokens)
+        return max(1, math.ceil(missing / self._rate)) if self._rate > 0 else 60
+
 
 async def _reader(request: Request) -> Principal:
     """A dependency: solved before the query is validated, so an anonymous caller learns
@@ -529,7 +535,8 @@ async def _reader(request: Request) -> Principal:
     budget = request.app.state.read_budget
     assert isinstance(budget, ReadBudget)
     if not budget.take():
-        raise Refused(429, "too many reads; retry in a second")
+        wait = budget.wait_s()
+        raise Refused(429, f"too many reads; retry in {wait} s", retry_after_s=wait)
     guard = request.app.state.guard
     assert isinstance(guard, Guard)
     return await authenticate_read(request, guard)

@@ -70,10 +70,11 @@ _MAX_JSON_DEPTH = 32
 class Refused(Exception):
     """A request refused before it wrote anything; ``reason`` goes back to the caller."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str, *, retry_after_s: int = 1) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.retry_after_s = retry_after_s  # a 429's Retry-After
 
 
 class _VerifiedRequest(Request):
@@ -384,5 +385,5 @@ def refusal(request: Request, refused: Refused) -> JSONResponse:
     if refused.status == 401:
         headers = {"WWW-Authenticate": 'SDCGuard-HMAC-SHA256, Bearer realm="sdcguard"'}
     if refused.status == 429:
-        headers = {"Retry-After": "1"}
+        headers = {"Retry-After": str(max(1, refused.retry_after_s))}
     return JSONResponse({"detail": refused.reason}, status_code=refused.status, headers=headers)
