@@ -1,135 +1,28 @@
-"""The demo end to end: real training processes, the webhook, the ledger, the incident flow on
-Prefect, the mocked HyperPod — and the proof that recovery was exact.
-
-A shorter run than ``make demo`` (fewer steps), with the fault still starting after the first
-verified checkpoints, so every stage has real work to do.
+"""The demo end to end for each fault kind: real training processes, the webhook, the ledger,
+the incident flow on Prefect, the mocked HyperPod — and the proof that recovery was exact.
 """
 
 from __future__ import annotations
 
-import io
 import json
-import os
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
-from db import Ledger
-from flows.demo import DemoConfig, run_demo
+from flows.demo import run_demo
+from tests.e2e.demo_checks import check_report, demo_config, processes_under
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api"), pytest.mark.timeout(600)]
 
-REPORT_KEYS = {
-    "world_size",
-    "steps",
-    "nodes",
-    "alarms",
-    "checkpoints",
-    "final_fingerprint",
-    "step_ms",
-}
-INCIDENT_KEYS = {
-    "suspect_range",
-    "suspect_nodes",
-    "verdict",
-    "approval",
-    "replaced",
-    "resumed_from_step",
-    "stages",
-    "reference_fingerprint",
-    "recovered_fingerprint",
-}
-STAGES = [
-    "triage",
-    "stop",
-    "cordon",
-    "telemetry",
-    "replay",
-    "approval",
-    "replace",
-    "quarantine",
-    "resume",
-]
 
-
-def _config(tmp_path: Path, fault: str) -> DemoConfig:
-    return DemoConfig(
-        fault=fault,
-        faulty_node="node-2",
-        steps=24,
-        fault_step=12,
-        workdir=tmp_path / "demo",
-        report=tmp_path / "report.json",
-        console=Console(file=io.StringIO(), width=120),
-    )
-
-
-def _processes_under(path: Path) -> list[int]:
-    """Pids of live processes whose command line names ``path`` (the demo's run folder)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(path) in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
-def _check_report(report: dict, config: DemoConfig) -> None:
-    assert set(report) >= REPORT_KEYS | INCIDENT_KEYS
-    assert [s["name"] for s in report["stages"]] == STAGES
-    assert all(s["status"] == "completed" for s in report["stages"]), report["stages"]
-    assert report["verdict"] == "hardware"
-    assert [r["node"] for r in report["replaced"]] == [config.faulty_node]
-    assert report["suspect_nodes"] == [config.faulty_node]
-    # the resume checkpoint predates the fault, and the recovery is exact, bit for bit
-    assert report["resumed_from_step"] < config.fault_step
-    assert report["recovered_fingerprint"] == report["reference_fingerprint"]
-    # the faulty run itself ended elsewhere: the fault really changed the weights
-    assert report["final_fingerprint"] != report["reference_fingerprint"]
-    first = min(a["step"] for a in report["alarms"])
-    assert config.fault_step <= first
-    # as in production, the faulty job still ran when its alarm came (halted by its guard,
-    # waiting): the stop stage stopped it, its process group is gone, and its report ends at
-    # the alarm's step
-    assert report["stop"]["running_at_alarm"] is True
-    assert report["stop"]["result"] == "stopped", report["stop"]
-    assert report["stop"]["pid_alive"] is False
-    assert report["stopped_after_step"] == first
-    assert all(a["suspect_nodes"] == [config.faulty_node] for a in report["alarms"])
-    resumed_nodes = report["resumed_nodes"]
-    assert config.faulty_node not in resumed_nodes
-    assert len(resumed_nodes) == config.world_size
-
-
-# act-flip, the default demo, is covered (twice) by the second-run test below.
+# act-flip, the default demo, is covered (twice) by test_demo_rerun.py.
 @pytest.mark.parametrize("fault", ["grad-nan", "reduced-flip", "weight-flip"])
 def test_demo_recovers_exactly_from_a_faulty_node(tmp_path: Path, fault: str) -> None:
-    config = _config(tmp_path, fault)
+    config = demo_config(tmp_path, fault)
     report = run_demo(config)
 
-    _check_report(report, config)
+    check_report(report, config)
     assert json.loads(config.report.read_text()) == report  # type: ignore[union-attr]
     png = config.report.with_suffix(".png")  # type: ignore[union-attr]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert _processes_under(config.workdir.resolve()) == []
-
-
-def test_the_default_demo_recovers_exactly_and_runs_again_from_a_clean_state(
-    tmp_path: Path,
-) -> None:
-    config = _config(tmp_path, "act-flip")
-    first = run_demo(config)
-    _check_report(first, config)
-    second = run_demo(config)
-
-    _check_report(second, config)
-    assert second["reference_fingerprint"] == first["reference_fingerprint"]
-    ledger = Ledger.from_url(f"sqlite:///{config.workdir.resolve() / 'run' / 'ledger.db'}")
-    assert len(ledger.list_incidents()) == 1  # the second run did not inherit the first's
-    assert _processes_under(config.workdir.resolve()) == []
+    assert processes_under(config.workdir.resolve()) == []
