@@ -39,11 +39,13 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 # The suite waits mostly on other processes (Prefect servers, training ranks, flows), not on
-# the CPU: two workers, each with its own session fixtures; a file's tests stay together.
+# the CPU: two workers, each with its own session fixtures; a file's tests stay together. Files
+# go out in collection order, which puts the slow end-to-end files first (tests/conftest.py):
+# xdist's default reorder by test count would start them last.
 TEST_WORKERS ?= 2
 
 test: install lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(PY) benchmarks/fingerprint.py
