@@ -6,6 +6,7 @@ One module per job:
 * :mod:`~flows.webhook.signed` — the signed route: size limit, signature, JSON, storable text,
   each checked before the next may look at the body;
 * :mod:`~flows.webhook.batcher` — group commit of concurrent alarms into ledger batches;
+* :mod:`~flows.webhook.reads` — the read side: its budget, its reader, its cursor;
 * :mod:`~flows.webhook.app` — ``create_app``: the routes, error handlers and lifespan.
 """
 

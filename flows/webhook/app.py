@@ -15,20 +15,14 @@ flood of reads waits for read threads and never takes a thread or a connection a
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import logging
-import math
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from datetime import datetime
 from typing import Annotated, Any, TypeVar
 
 import anyio
 import anyio.to_thread
-from fastapi import Depends, FastAPI, Path, Query, Request, Response
+from fastapi import FastAPI, Path, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -49,7 +43,7 @@ from db import (
 )
 from flows.metrics import install_metrics, ledger_ping
 from flows.trigger import IncidentTrigger, TriggerDispatcher
-from flows.webhook.auth import Credentials, Principal
+from flows.webhook.auth import Credentials
 from flows.webhook.batcher import DEFAULT_ALARM_BATCH, AlarmBatcher, AlarmQueue
 from flows.webhook.incidents_api import incidents_router
 from flows.webhook.models import (
@@ -67,13 +61,13 @@ from flows.webhook.models import (
     RanksRegistered,
     TriggerQueued,
 )
+from flows.webhook.reads import ReadBudget, Reader, covered_jobs, decode_cursor, encode_cursor
 from flows.webhook.replay import ReplayStore
 from flows.webhook.signed import (
     REPLAYED,
     Guard,
     Refused,
     admit,
-    authenticate_read,
     authorize,
     printable,
     refusal,
@@ -124,27 +118,6 @@ def _safe_json(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_safe_json(v) for v in value]
     return value
-
-
-def _encode_cursor(after: tuple[datetime, str] | None) -> str | None:
-    if after is None:
-        return None
-    raw = json.dumps([after[0].isoformat(), after[1]]).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str) -> tuple[datetime, str]:
-    try:
-        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        at, last_id = json.loads(raw)
-        if not isinstance(last_id, str) or not isinstance(at, str):
-            raise ValueError("cursor fields")
-        parsed = datetime.fromisoformat(at)
-        if parsed.tzinfo is None:
-            raise ValueError("naive cursor")
-        return parsed, last_id
-    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as err:
-        raise InvalidValue("cursor is not one this API returned") from err
 
 
 def alarm_queue_of(app: FastAPI) -> AlarmQueue:
@@ -299,8 +272,9 @@ def create_app(
         about a sixth of the event loop's CPU.
         """
 
+        responses = {**SIGNED_ERRORS, **options.pop("responses", {})}
+
         def register(endpoint: _Endpoint) -> _Endpoint:
-            responses = {**SIGNED_ERRORS, **options.pop("responses", {})}
             app.router.add_api_route(
                 path,
                 endpoint,
@@ -450,8 +424,8 @@ def create_app(
         if job_id is not None and not principal.covers(job_id):
             raise Refused(403, f"{printable(principal.name)} may not read job {job_id}")
         if not principal.all_jobs and job_id is None:
-            jobs = await in_read_thread(_covered_jobs, reads, principal)
-        after = None if cursor is None else _decode_cursor(cursor)
+            jobs = await in_read_thread(covered_jobs, reads, principal)
+        after = None if cursor is None else decode_cursor(cursor)
 
         def page() -> Any:
             return reads.list_incidents_page(job_id, state, limit=limit, after=after, jobs=jobs)
@@ -459,7 +433,7 @@ def create_app(
         found = await in_read_thread(page)
         return {
             "incidents": found.incidents,
-            "next_cursor": _encode_cursor(found.next_after),
+            "next_cursor": encode_cursor(found.next_after),
         }
 
     @app.get(
@@ -497,57 +471,6 @@ def create_app(
         }
 
     return app
-
-
-class ReadBudget:
-    """A token bucket over all reads: ``rate`` per second, ``burst`` at once.
-
-    Reads and alarms share the CPU; a flood of reads that were all served would slow alarm
-    ingestion however many threads and connections each side has. Over budget, a read is
-    refused with 429 before anything else is done for it (no signature check, no query), so a
-    refused read costs next to nothing.
-    """
-
-    def __init__(self, rate: float, burst: int) -> None:
-        self._rate = rate
-        self._burst = float(burst)
-        self._tokens = float(burst)
-        self._at = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
-        self._at = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
-        return True
-
-    def wait_s(self) -> int:
-        """Whole seconds until the next read would be taken (at least 1): a 429's Retry-After."""
-        missing = max(0.0, 1.0 - self._tokens)
-        return max(1, math.ceil(missing / self._rate)) if self._rate > 0 else 60
-
-
-async def _reader(request: Request) -> Principal:
-    """A dependency: solved before the query is validated, so an anonymous caller learns
-    nothing, not even which parameters are wrong."""
-    budget = request.app.state.read_budget
-    assert isinstance(budget, ReadBudget)
-    if not budget.take():
-        wait = budget.wait_s()
-        raise Refused(429, f"too many reads; retry in {wait} s", retry_after_s=wait)
-    guard = request.app.state.guard
-    assert isinstance(guard, Guard)
-    return await authenticate_read(request, guard)
-
-
-Reader = Annotated[Principal, Depends(_reader)]
-
-
-def _covered_jobs(ledger: Ledger, principal: Principal) -> frozenset[str]:
-    """The known job ids a reader scoped by patterns may see."""
-    return frozenset(job for job in ledger.job_ids() if principal.covers(job))
 
 
 def _pool_capacity(ledger: Ledger) -> int:
