@@ -3,13 +3,14 @@
 Every rank holds four replicas of the same model, each with its own DDP wrapper and optimizer:
 
 * ``plain``    — plain DDP, no sdcguard at all (the baseline);
-* ``checks``   — SDCGuard without audits (the default configuration otherwise): non-finite
-  checks around all-reduce, the weight fingerprint vote, one all-gather per step, and the
-  per-step layer (gradient statistics, algebraic all-reduce check, optimizer-state check: its
-  row rides in the same all-gather);
+* ``checks``   — SDCGuard without audits and without ABFT checksums (``abft=False``):
+  non-finite checks around all-reduce, the weight fingerprint vote, one all-gather per step,
+  and the per-step layer (gradient statistics, algebraic all-reduce check, optimizer-state
+  check: its row rides in the same all-gather);
 * ``bare``     — the same with the per-step layer off (``step_checks=False``), so its own cost
   is the difference of the two rows;
-* ``abft``     — ``checks`` with the opt-in Linear checksums (``abft=True``);
+* ``abft``     — ``checks`` with the ABFT checksums (``abft=True``): the default configuration
+  of an eager model (``GuardConfig.abft=None`` turns them on unless the model is compiled);
 * ``state``    — the same with ``vote_optimizer_state=True`` (the vote also reads Adam's two
   moments, so an optimizer-state fault is named at its own step);
 * ``loss``     — SDCGuard auditing every step in ``loss`` mode;
