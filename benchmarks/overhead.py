@@ -71,7 +71,7 @@ VARIANTS = ("plain", "checks", "bare", "abft", "state", "loss", "gradient")
 ROWS = (
     ("checks only (no audit)", "checks", 0, 1.074, 1.03),
     ("  (per-step layer off)", "bare", 0, 1.074, 1.02),
-    ("  (+ ABFT on every Linear)", "abft", 0, None, 1.10),
+    ("  (+ ABFT checksums = default)", "abft", 0, None, 1.10),
     ("  (+ optimizer-state vote)", "state", 0, None, None),
     ("loss audit every 10 steps", "loss", 10, 1.125, 1.05),
     ("loss audit every 100 steps", "loss", 100, 1.076, 1.025),
