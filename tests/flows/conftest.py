@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -24,6 +24,7 @@ from detection.signing import DEFAULT_KEY_ID, signed_headers
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app
+from flows.wiring import Backends
 
 WEBHOOK_SECRET = "test-webhook-secret-0123456789abcdef"
 
@@ -77,6 +78,24 @@ def flush_prefect_events(timeout_s: float = 30.0) -> None:
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all(timeout=timeout_s, at_exit=False)
+
+
+def ledger_only(ledger: Ledger) -> Backends:
+    """Backends of which only the ledger exists: for stage bodies that reach nothing else
+    (an outside call would fail loudly on ``None``)."""
+    none = cast(Any, None)
+    return Backends(
+        ledger=ledger,
+        nodes=none,
+        jobs=none,
+        telemetry=none,
+        replay=none,
+        hyperpod=none,
+        checkpoints=none,
+        directory=none,
+        catalog=none,
+        description="ledger only",
+    )
 
 
 def signed_get(
