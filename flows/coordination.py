@@ -71,13 +71,14 @@ class CoordinationSettings(BaseSettings):
         description="Lease of a held slot; renewed while held, expires if the holder dies.",
     )
     claim_lease_s: float = Field(
-        default=3600.0,
+        default=300.0,
         ge=1.0,
         le=24 * 3600.0,
         description=(
-            "Lease of a ledger claim (a stage or a side effect), renewed before every "
-            "destructive call; longer than the longest single call (a HyperPod replacement). "
-            "Another run takes a claim over only after it expired."
+            "Lease of a ledger claim (a stage or a side effect), renewed every third of it "
+            "while the stage runs (flows.stages._heartbeat) and before every destructive "
+            "call. Another run takes a claim over only after it expired: how long the claims "
+            "of a killed worker that Prefect still shows live block the incident."
         ),
     )
 

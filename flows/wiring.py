@@ -96,8 +96,9 @@ class NodeDirectory(Protocol):
         """Healthy, schedulable spare nodes, none of ``exclude``."""
         ...
 
-    def joined(self, old_node: str, new_instance_id: str) -> str:
-        """The node name under which ``new_instance_id`` (replacing ``old_node``) is ready."""
+    def joined(self, old_node: str, new_instance_id: str, *, timeout_s: float) -> str:
+        """The node name under which ``new_instance_id`` (replacing ``old_node``) is ready,
+        waiting at most ``timeout_s`` (what is left of the policy's replacement timeout)."""
         ...
 
 
@@ -110,25 +111,22 @@ class LocalNodeDirectory:
     def spares(self, exclude: Collection[str]) -> list[str]:
         return self._cluster.spares(exclude)
 
-    def joined(self, old_node: str, new_instance_id: str) -> str:
-        # Idempotent in the cluster: a repeated join returns the node already joined.
+    def joined(self, old_node: str, new_instance_id: str, *, timeout_s: float) -> str:
+        # Immediate: nothing to wait for. Idempotent in the cluster: a repeated join returns the
+        # node already joined.
         return self._cluster.replace_instance(old_node, new_instance_id)
 
 
 class KubeNodeDirectory:
-    """Spares from a fixed list; a replacement is ready once ``hyperpod-<id>`` is Ready."""
+    """Spares from a fixed list; a replacement is ready once ``hyperpod-<id>`` is Ready.
 
-    def __init__(
-        self,
-        nodes: NodeOps,
-        spare_nodes: Sequence[str],
-        *,
-        join_timeout_s: float = 900.0,
-        poll_s: float = 10.0,
-    ) -> None:
+    The join wait has no limit of its own: the caller passes what is left of the policy's
+    ``replacement_timeout_s`` (one bound for "HyperPod brought the instance up" and "it joined").
+    """
+
+    def __init__(self, nodes: NodeOps, spare_nodes: Sequence[str], *, poll_s: float = 10.0) -> None:
         self._nodes = nodes
         self._spares = list(spare_nodes)
-        self._timeout_s = join_timeout_s
         self._poll_s = poll_s
 
     def spares(self, exclude: Collection[str]) -> list[str]:
@@ -144,18 +142,20 @@ class KubeNodeDirectory:
                 ready.append(name)
         return ready
 
-    def joined(self, old_node: str, new_instance_id: str) -> str:
+    def joined(self, old_node: str, new_instance_id: str, *, timeout_s: float) -> str:
+        """Poll until the new node is Ready; looked at at least once, even with no time left."""
         name = f"{HYPERPOD_NODE_PREFIX}{new_instance_id}"
-        deadline = time.monotonic() + self._timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             with contextlib.suppress(NotFoundError):
                 if self._nodes.get(name).ready:
                     return name
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TemporaryError(
-                    "kubernetes", "wait for node", name, f"not Ready after {self._timeout_s:g} s"
+                    "kubernetes", "wait for node", name, f"not Ready after {timeout_s:g} s"
                 )
-            time.sleep(self._poll_s)
+            time.sleep(min(self._poll_s, left))
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,20 @@ def prefect_api() -> Iterator[str]:
 
 
 @pytest.fixture(autouse=True)
+def _no_prefect_worker_outlives_its_test() -> Iterator[None]:
+    """What a test emitted to Prefect is delivered before the next test starts.
+
+    Prefect's events worker is one per process and stays bound to the API it first sent to;
+    flushed here, after every test (the session's server is still up then), it never carries
+    one test's server into another's: each test starts with no worker, whatever ran before.
+    """
+    from tests.prefect_events import flush
+
+    yield
+    flush()
+
+
+@pytest.fixture(autouse=True)
 def _own_destructive_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test is its own fleet: its own global concurrency limit around destructive stages.
 

@@ -20,10 +20,10 @@ Retries: a task is retried (policy ``task_retries``, exponential backoff) only f
 fails the stage at once, and the flow records the incident ``failed`` with the reason.
 
 The modules, one runbook step each: ``_common`` (the two records above, the stage decorator,
-the ledger helpers), ``containment`` (triage's storm guard, stop, cordon, release),
-``diagnosis`` (telemetry, replay), ``approval`` (the decision), ``fix`` (replace or reboot),
-``resume`` (quarantine, choose the checkpoint, resume). :mod:`flows.incident` calls them in
-order.
+the ledger helpers), ``_heartbeat`` (a running stage's claims renewed while it runs),
+``containment`` (triage's storm guard, stop, cordon, release), ``diagnosis`` (telemetry,
+replay), ``approval`` (the decision), ``fix`` (replace or reboot), ``resume`` (quarantine,
+choose the checkpoint, resume). :mod:`flows.incident` calls them in order.
 """
 
 from flows.stages._common import (

@@ -8,10 +8,10 @@ every stage, so a re-run finds it where an earlier run left it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
-from contextvars import ContextVar
 from enum import StrEnum
 from typing import Any
 
@@ -35,6 +35,7 @@ from db import (
 from flows.coordination import CoordinationSettings, claim_owner, dead_owner_reason
 from flows.policy import IncidentPolicy
 from flows.report import STAGE_KIND
+from flows.stages._heartbeat import ClaimHeartbeat, current_heartbeat
 from flows.wiring import Backends, current_backends
 from recovery.errors import TemporaryError
 
@@ -62,8 +63,6 @@ log = logging.getLogger(__name__)
 
 StageOutcome = dict[str, Any]
 
-current_stage_key: ContextVar[str | None] = ContextVar("sdcguard_stage_key", default=None)
-"""The ledger key of the stage this code runs in (set by :func:`record_stage`)."""
 StageTask = Task[[str, IncidentPolicy], StageOutcome]
 
 
@@ -116,11 +115,13 @@ def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome
     """Run ``body`` as the ledger action ``<incident>:stage:<stage>``; skip it once succeeded.
 
     The claim is this flow run's, leased (:func:`flows.coordination.claim_owner`): a stage
-    another live run holds raises :class:`db.ClaimLost` here, before anything is done.
+    another live run holds raises :class:`db.ClaimLost` here, before anything is done. While
+    ``body`` runs, a :class:`ClaimHeartbeat` renews the lease (the lease is short; a stage may
+    wait for an hour); it is stopped before the outcome is recorded, however ``body`` ends.
     """
     ledger = current_backends().ledger
-    owner = claim_owner()
-    claim = _claim(incident_id, STAGE_KIND, stage.value, None, owner, _lease_s())
+    owner, lease_s = claim_owner(), _lease_s()
+    claim = _claim(incident_id, STAGE_KIND, stage.value, None, owner, lease_s)
     extra = log_extra(incident_id, stage)
     if not claim.won and claim.action.status is ActionStatus.SUCCEEDED:
         log.info("stage %s already done; not repeated", stage, extra=extra)
@@ -130,9 +131,11 @@ def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome
     if claim.action.attempts > 1:
         log.warning("stage %s: an earlier attempt did not finish; continuing", stage, extra=extra)
     log.info("stage %s started", stage, extra=extra)
-    token = current_stage_key.set(claim.action.key)
+    heartbeat = ClaimHeartbeat(ledger, claim.action.key, owner, lease_s, context=extra)
+    token = current_heartbeat.set(heartbeat)
     try:
-        outcome = body()
+        with heartbeat:
+            outcome = body()
     except ClaimLost:
         raise  # not ours any more: nothing to record
     except Exception as err:
@@ -148,7 +151,7 @@ def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome
         _release(claim.action.key, owner, signal, extra)
         raise
     finally:
-        current_stage_key.reset(token)
+        current_heartbeat.reset(token)
     ledger.finish_action(
         claim.action.key, ActionStatus.SUCCEEDED, {**outcome, "error": None}, owner=owner
     )
@@ -245,8 +248,7 @@ def perform(
     stored with the claim — *before* the call — so a later run knows what was about to happen.
     """
     ledger = current_backends().ledger
-    owner = claim_owner()
-    lease_s = _lease_s()
+    owner, lease_s = claim_owner(), _lease_s()
     claim = _claim(incident_id, kind.value, target, detail, owner, lease_s)
     action = claim.action
     on_job = kind in (Action.STOP_JOB, Action.RESUME)
@@ -256,18 +258,17 @@ def perform(
         return dict(action.detail or {})
     if not claim.won:
         raise ClaimLost(action.key, owner, action.owner)
-    # the stage this effect belongs to must still be ours: a run whose stage was taken over
-    # (its lease expired while it hung) performs nothing more
-    stage_key = current_stage_key.get()
-    if stage_key is not None:
-        ledger.hold_claim(stage_key, owner, lease_s)
+    heartbeat = current_heartbeat.get()
+    _still_ours(heartbeat, owner, lease_s)
     first = action.attempts == 1
     if not first:
         log.warning(
             "%s %s: an earlier attempt may have acted; checking first", kind, target, extra=extra
         )
     try:
-        result = act(first)
+        # renewed with its stage while it runs: a replacement may wait for an hour
+        with heartbeat.hold(action.key) if heartbeat else contextlib.nullcontext():
+            result = act(first)
     except ClaimLost:
         raise
     except Exception as err:
@@ -279,6 +280,18 @@ def perform(
     ledger.finish_action(action.key, ActionStatus.SUCCEEDED, {**result, "error": None}, owner=owner)
     log.info("%s %s done", kind, target, extra=extra)
     return {**(action.detail or {}), **result}
+
+
+def _still_ours(heartbeat: ClaimHeartbeat | None, owner: str, lease_s: float) -> None:
+    """The check before a destructive call: the stage it belongs to must still be ours.
+
+    A run whose stage was taken over — its heartbeat found it lost, or its lease expired while
+    it hung — raises :class:`db.ClaimLost` here and performs nothing more.
+    """
+    if heartbeat is None:
+        return
+    heartbeat.check()
+    current_backends().ledger.hold_claim(heartbeat.stage_key, owner, lease_s)
 
 
 def stage(name: Stage) -> Callable[[Callable[[str, IncidentPolicy], StageOutcome]], StageTask]:

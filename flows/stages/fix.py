@@ -6,14 +6,15 @@ gone; a repeat looks at the instance's status before asking HyperPod again, and 
 ``InstanceIdInUse`` on a repeat means "already replacing" — it converges on the one
 replacement. The new node is the one HyperPod reports under the old node's logical id, or, on a
 cluster without logical ids, the one the accounting rule of :mod:`recovery.hyperpod` proves
-ours; never merely "the first new node". The wait is bounded by the policy's
-``replacement_timeout_s``.
+ours; never merely "the first new node". The wait — HyperPod bringing the instance up, then
+the node joining the cluster — is bounded by the policy's ``replacement_timeout_s``.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 from typing import Any
 
 from db import IncidentState
@@ -88,6 +89,7 @@ def _replace(
     replacing the instance while still reporting it ``Running``; its ``InstanceIdInUse`` then
     means "already replacing" — we wait for that replacement instead of failing."""
     node, instance_id, group = plan["node"], plan["instance_id"], plan["group"]
+    deadline = time.monotonic() + timeout_s  # one bound: the instance up, and the node joined
     leaving = (NodeStatus.SHUTTING_DOWN.value, NodeStatus.NOT_FOUND.value)
     extra = {"node": node, "instance_id": instance_id}
     if first or _status(b, instance_id) not in leaving:
@@ -114,7 +116,9 @@ def _replace(
         taken=taken,
         timeout_s=timeout_s,
     )
-    new_node = b.directory.joined(node, new_instance)
+    new_node = b.directory.joined(
+        node, new_instance, timeout_s=max(deadline - time.monotonic(), 0.0)
+    )
     return {"new_instance_id": new_instance, "new_node": new_node}
 
 

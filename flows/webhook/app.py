@@ -16,7 +16,7 @@ flood of reads waits for read threads and never takes a thread or a connection a
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
@@ -42,7 +42,7 @@ from db import (
     UnknownJob,
 )
 from flows.metrics import install_metrics, ledger_ping
-from flows.trigger import IncidentTrigger, TriggerDispatcher
+from flows.trigger import DEFAULT_RETRY_DELAYS_S, IncidentTrigger, TriggerDispatcher
 from flows.webhook.auth import Credentials
 from flows.webhook.batcher import DEFAULT_ALARM_BATCH, AlarmBatcher, AlarmQueue
 from flows.webhook.incidents_api import incidents_router
@@ -146,24 +146,26 @@ def create_app(
     read_threads: int = 4,
     reads_per_s: float = 50.0,
     docs: bool = False,
+    trigger_retry_delays_s: Sequence[float] = DEFAULT_RETRY_DELAYS_S,
 ) -> FastAPI:
     """The webhook + ledger API over ``ledger``; opened incidents go to ``trigger``.
 
     ``credentials`` are the server-side keys, reader tokens and service accounts
     (:mod:`flows.webhook.auth`); a plain string is one shared key (id ``default``) for every
-    job, for a single machine. Secrets stay inside the checks and are never logged.
-    Concurrent alarms are recorded up to ``max_alarm_batch`` per ledger transaction. Reads run
-    on ``read_ledger`` (default: ``ledger``) in at most ``read_threads`` threads of their own,
-    at most ``reads_per_s`` per second (429 above: :class:`ReadBudget`).
-    ``docs`` serves ``/docs`` and ``/openapi.json`` (off by default: the schema is no secret,
-    but nothing unauthenticated should answer). On start-up every incident still ``open`` is
+    job, for a single machine. Secrets stay inside the checks and are never logged. Concurrent
+    alarms are recorded up to ``max_alarm_batch`` per ledger transaction. Reads run on
+    ``read_ledger`` (default: ``ledger``) in at most ``read_threads`` threads of their own, at
+    most ``reads_per_s`` per second (429 above: :class:`ReadBudget`). ``docs`` serves ``/docs``
+    and ``/openapi.json`` (off by default: the schema is no secret, but nothing unauthenticated
+    should answer). A fire that fails is retried after ``trigger_retry_delays_s``
+    (:class:`flows.trigger.TriggerDispatcher`). On start-up every incident still ``open`` is
     fired again: an incident whose flow was lost with a previous process (crash between record
     and fire, or a fire still failing at shutdown) is started now — safe, since Prefect refuses
     a second run for the same idempotency key and the flow itself claims each action once.
     """
     creds = Credentials.shared(credentials) if isinstance(credentials, str) else credentials
     reads = read_ledger or ledger
-    dispatcher = TriggerDispatcher(trigger)
+    dispatcher = TriggerDispatcher(trigger, retry_delays_s=trigger_retry_delays_s)
     pool_limit = _pool_capacity(ledger)
     if reads is ledger:  # one pool: reads get their threads out of it, writes keep the rest
         pool_limit = max(1, pool_limit - read_threads)

@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -24,6 +24,7 @@ from detection.signing import DEFAULT_KEY_ID, signed_headers
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app
+from flows.wiring import Backends
 
 WEBHOOK_SECRET = "test-webhook-secret-0123456789abcdef"
 
@@ -66,17 +67,22 @@ def signed_post(
     return httpx.post(url + path, content=body, headers=headers, timeout=30)
 
 
-def flush_prefect_events(timeout_s: float = 30.0) -> None:
-    """Send what Prefect's events worker holds, and stop it.
-
-    The worker is one per process and keeps the API URL it first saw: a test that emits events
-    to its own server must flush while that server is up (else the worker later drains into a
-    server that is gone, and hangs the session's teardown), and a test that reads events from
-    the session's server must start with no worker bound elsewhere.
-    """
-    from prefect.events.worker import EventsWorker
-
-    EventsWorker.drain_all(timeout=timeout_s, at_exit=False)
+def ledger_only(ledger: Ledger) -> Backends:
+    """Backends of which only the ledger exists: for stage bodies that reach nothing else
+    (an outside call would fail loudly on ``None``)."""
+    none = cast(Any, None)
+    return Backends(
+        ledger=ledger,
+        nodes=none,
+        jobs=none,
+        telemetry=none,
+        replay=none,
+        hyperpod=none,
+        checkpoints=none,
+        directory=none,
+        catalog=none,
+        description="ledger only",
+    )
 
 
 def signed_get(

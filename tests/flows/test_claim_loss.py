@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from prefect import flow
@@ -21,8 +21,9 @@ from prefect.states import Crashed, Running, State
 from db import ActionStatus, ClaimLost, Ledger
 from flows.coordination import claim_owner
 from flows.stages import Action, Stage, perform, record_stage
-from flows.wiring import Backends, use_backends
+from flows.wiring import use_backends
 from tests.db.support import make_alarm
+from tests.flows.conftest import ledger_only
 
 LEASE_S = 60.0
 
@@ -45,23 +46,13 @@ def timed(
     sqlite_database_url: str, clock: Clock, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Ledger]:
     monkeypatch.setenv("SDCGUARD_FLOW_CLAIM_LEASE_S", str(LEASE_S))
-    with Ledger.from_url(sqlite_database_url, clock=clock) as ledger:
-        # only the ledger is used: no stage body here reaches another backend
-        none = cast(Any, None)
-        backends = Backends(
-            ledger=ledger,
-            nodes=none,
-            jobs=none,
-            telemetry=none,
-            replay=none,
-            hyperpod=none,
-            checkpoints=none,
-            directory=none,
-            catalog=none,
-            description="ledger only",
-        )
-        with use_backends(backends):
-            yield ledger
+    with (
+        Ledger.from_url(sqlite_database_url, clock=clock) as ledger,
+        use_backends(
+            ledger_only(ledger)  # no stage body here reaches another backend
+        ),
+    ):
+        yield ledger
 
 
 def test_a_run_whose_stage_was_taken_over_makes_no_destructive_call(

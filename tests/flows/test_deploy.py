@@ -40,7 +40,7 @@ from flows.webhook import create_app
 from recovery.aws_local import create_demo_cluster, start_local_aws
 from recovery.cluster import LocalCluster, NodeState
 from recovery.jobs import JobKind, JobRef, LocalJobControl
-from tests.flows.conftest import flush_prefect_events
+from tests.prefect_events import flush
 from tests.prefect_processes import (
     PREFECT,
     flow_run_state,
@@ -295,4 +295,4 @@ def _slots_held(api_url: str) -> int:
 
 def _flush_events_to(api_url: str) -> None:
     with temporary_settings({PREFECT_API_URL: api_url}):
-        flush_prefect_events()
+        flush()

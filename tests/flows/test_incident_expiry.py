@@ -16,7 +16,6 @@ import pytest
 
 from db import IncidentState, Ledger, RankIn
 from flows.expiry import ExpirySettings, ExpirySweeper, close_overdue_approvals
-from tests.flows.conftest import flush_prefect_events
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -42,7 +41,6 @@ def timed(sqlite_database_url: str, clock: Clock) -> Iterator[Ledger]:
     with Ledger.from_url(sqlite_database_url, clock=clock) as ledger:
         ledger.register_ranks(JOB, [RankIn(0, 0, "node-1")])
         yield ledger
-    flush_prefect_events()
 
 
 def _awaiting(ledger: Ledger) -> str:

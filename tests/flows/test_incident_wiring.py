@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from flows.policy import IncidentPolicy, storm_guard
 from flows.recovery_settings import AwsSettings, BackendMode, RecoverySettings
 from flows.wiring import (
     Backends,
+    KubeNodeDirectory,
     LocalJobCatalog,
     build_backends,
     current_backends,
@@ -22,9 +24,12 @@ from flows.wiring import (
 from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
 from recovery.checkpoints import FileCheckpointStore
 from recovery.cluster import LocalCluster
-from recovery.errors import PermanentError
+from recovery.errors import PermanentError, TemporaryError
+from recovery.hyperpod import HYPERPOD_NODE_PREFIX
 from recovery.jobs import JobKind, LocalJobControl
-from recovery.nodes import LocalNodeOps
+from recovery.kube import api_client_for_host
+from recovery.nodes import KubeNodeOps, LocalNodeOps
+from tests.recovery.fake_kube import FakeKube
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +187,23 @@ def test_evidence_shows_what_an_approver_needs() -> None:
     ):
         assert part in text
     assert artifact_key("0F3E:a_b", "evidence") == "incident-0f3e-a-b-evidence"
+
+
+def test_a_replacements_join_waits_as_long_as_it_is_given_and_no_longer() -> None:
+    """``KubeNodeDirectory.joined`` has no limit of its own: the fix stage passes what is left
+    of the policy's ``replacement_timeout_s``. A node not Ready in that time is a temporary
+    error naming the node and the time; a Ready one is returned at once."""
+    with FakeKube() as fake:
+        api_client = api_client_for_host(fake.url, token="test-token")
+        try:
+            directory = KubeNodeDirectory(KubeNodeOps(api_client), [], poll_s=0.05)
+            fake.add_node(f"{HYPERPOD_NODE_PREFIX}i-0new", instance_id="i-0new", ready=False)
+            started = time.monotonic()
+            with pytest.raises(TemporaryError, match=r"hyperpod-i-0new.*not Ready after 0\.5 s"):
+                directory.joined("node-2", "i-0new", timeout_s=0.5)
+            assert 0.5 <= time.monotonic() - started < 30
+            fake.add_node(f"{HYPERPOD_NODE_PREFIX}i-0ready", instance_id="i-0ready")
+            # no time left at all still looks once
+            assert directory.joined("node-3", "i-0ready", timeout_s=0.0) == "hyperpod-i-0ready"
+        finally:
+            api_client.close()

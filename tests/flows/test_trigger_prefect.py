@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from uuid import UUID
 
 import pytest
@@ -24,7 +23,7 @@ from db import Ledger
 from flows.serve import run_in_thread
 from flows.trigger import INCIDENT_OPENED_EVENT, PrefectTrigger, incident_event_id
 from flows.webhook import create_app, dispatcher_of
-from tests.flows.conftest import alarm_payload, flush_prefect_events, signed_post
+from tests.flows.conftest import alarm_payload, signed_post
 
 DEPLOYMENT = "incident-response/incident"
 
@@ -36,14 +35,12 @@ def incident_response(incident_id: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def deployment_id(prefect_api: str) -> Iterator[UUID]:
-    flush_prefect_events()  # events from here on go to this session's server, whatever ran before
+def deployment_id(prefect_api: str) -> UUID:
     deployment = incident_response.to_deployment(name="incident")
     assert isinstance(deployment, RunnerDeployment)  # sync context: not a coroutine
     applied = deployment.apply()
     assert isinstance(applied, UUID)
-    yield applied
-    flush_prefect_events()  # while the server is still up
+    return applied
 
 
 def _runs(deployment_id: UUID) -> list[FlowRun]:
