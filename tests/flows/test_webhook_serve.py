@@ -65,8 +65,8 @@ def test_serve_migrates_a_fresh_ledger_and_records_alarms(tmp_path: Path) -> Non
         assert response.status_code == 202, response.text
         reads = [signed_get(base, WEBHOOK_SECRET, "/v1/incidents") for _ in range(3)]
         assert [r.status_code for r in reads] == [200, 429, 429], [r.text for r in reads]
-        # Retry-After: when the budget has a read again (one per 10 s)
-        assert 1 <= int(reads[1].headers["retry-after"]) <= 10
+        # Retry-After: when the budget has a read again (one per 10 s), not a fixed second
+        assert 5 <= int(reads[1].headers["retry-after"]) <= 10
     finally:
         proc.send_signal(signal.SIGINT)
         output = proc.communicate(timeout=30)[0]

@@ -178,5 +178,6 @@ def test_reads_over_the_budget_are_429_with_retry_after(ledger: Ledger) -> None:
         headers = {"Authorization": f"Bearer {OPS_TOKEN}"}
         statuses = [httpx.get(url + "/v1/incidents", headers=headers, timeout=30) for _ in range(3)]
     assert [r.status_code for r in statuses] == [200, 429, 429]
-    # Retry-After says when the budget has a read again: within the next 20 s
-    assert 1 <= int(statuses[-1].headers["retry-after"]) <= 20
+    # Retry-After says when the budget has a read again: 20 s after the first read (less the
+    # seconds the requests took), not a fixed second
+    assert 10 <= int(statuses[-1].headers["retry-after"]) <= 20
