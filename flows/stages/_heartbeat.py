@@ -25,8 +25,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any
@@ -121,9 +123,16 @@ class ClaimHeartbeat:
         if self._lost is not None:
             raise self._lost
 
-    def hold(self, key: str) -> _Held:
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
         """Renew ``key`` too for a block: the claim of the side effect the stage performs."""
-        return _Held(self, key)
+        with self._lock:
+            self._keys.append(key)
+        try:
+            yield
+        finally:
+            with self._lock:  # between rounds: never renewed after its outcome is recorded
+                self._keys.remove(key)
 
     # -- the thread ---------------------------------------------------------------------
 
@@ -153,27 +162,6 @@ class ClaimHeartbeat:
                 )
                 continue
             self._beats += 1
-
-
-class _Held:
-    """The block during which a side effect's claim is renewed with its stage's."""
-
-    def __init__(self, heartbeat: ClaimHeartbeat, key: str) -> None:
-        self._heartbeat = heartbeat
-        self._key = key
-
-    def __enter__(self) -> None:
-        with self._heartbeat._lock:
-            self._heartbeat._keys.append(self._key)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        with self._heartbeat._lock:
-            self._heartbeat._keys.remove(self._key)
 
 
 current_heartbeat: ContextVar[ClaimHeartbeat | None] = ContextVar(
