@@ -177,19 +177,22 @@ class LinearCheck(LayerCheck):
         b_sum = bias.detach().float().sum() if bias is not None else 0.0
         b_abs = bias.detach().float().abs().sum() if bias is not None else 0.0
         residual = (y2.sum(-1) - (xf @ col + b_sum)).abs()
-        magnitude = torch.linalg.vector_norm(xf, dim=-1) * torch.linalg.vector_norm(col_abs)
+        row_norms = torch.linalg.vector_norm(xf, dim=-1)
+        magnitude = row_norms * torch.linalg.vector_norm(col_abs)
         scale = (magnitude + b_abs) * (unit(output.dtype) * math.sqrt(k)) + TINY
         self.note_forward((residual / scale).amax())
-        return x2
+        # ‖x‖_F = ‖(‖x_i‖₂)_i‖₂: the backward's bound from the row norms, not a second read of x
+        return x2, torch.linalg.vector_norm(row_norms)
 
-    def backward(self, saved: torch.Tensor, dy: torch.Tensor) -> None:
-        xf = saved.float()
+    def backward(self, saved: tuple[torch.Tensor, torch.Tensor], dy: torch.Tensor) -> None:
+        x2, x_frobenius = saved
+        xf = x2.float()
         d2 = dy.reshape(-1, dy.shape[-1]).float()
         r = d2.sum(-1)
         ra = torch.linalg.vector_norm(d2, dim=-1) * math.sqrt(d2.shape[-1])  # ≥ |dy_row|₁
         # ‖x‖_F bounds every column norm; a per-column norm is a strided reduction, 50x
         # slower on CPU than the whole-tensor norm.
-        mag_w = torch.linalg.vector_norm(xf) * torch.linalg.vector_norm(ra)
+        mag_w = x_frobenius * torch.linalg.vector_norm(ra)
         self.expect(True, xf.T @ r, mag_w, d2.shape[0], dy.dtype)
         self.expect(False, r.sum(), ra.sum(), d2.shape[0], dy.dtype)
 

@@ -141,15 +141,21 @@ class LocalGradStats:
         self._reduced.clear()
         self.numel.clear()
 
-    def on_local(self, key: int, buffer: torch.Tensor) -> None:
+    def on_local(self, key: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Record the local bucket's statistics; returns its (float64) sum."""
         flat = buffer.detach().reshape(-1)
         self.numel[key] = flat.numel()
         low, high = torch.aminmax(flat)
         peak = torch.maximum(-low, high).to(torch.float64)
-        self._local[key] = torch.stack([chunked_sum(flat), bucket_norm(flat), peak])
+        total = chunked_sum(flat)
+        self._local[key] = torch.stack([total, bucket_norm(flat), peak])
+        return total
 
-    def on_reduced(self, key: int, reduced: torch.Tensor) -> None:
-        self._reduced[key] = chunked_sum(reduced.detach().reshape(-1)).reshape(1)
+    def on_reduced(self, key: int, reduced: torch.Tensor) -> torch.Tensor:
+        """Record the reduced bucket's sum, and return it (float64)."""
+        total = chunked_sum(reduced.detach().reshape(-1))
+        self._reduced[key] = total.reshape(1)
+        return total
 
     def row(self) -> torch.Tensor:
         """``[n_buckets, (sum, l2, amax, reduced sum) per bucket in index order]`` (float64)."""

@@ -5,8 +5,9 @@ The hook wraps the user's own hook (or the default all-reduce) and, per bucket, 
 * before all-reduce: the sum of the rank's *local* bucket. Every NaN or ±Inf element makes
   the sum non-finite, so a non-finite sum is a rank-local verdict that survives the averaging —
   the one place where the rank that produced a NaN can still be named. (A finite bucket whose
-  sum overflows the float32 range, |Σ| > 3.4e38, is flagged too: such gradients are corrupt in
-  every practical sense.)
+  float32 sum overflows, |Σ| > 3.4e38, is flagged too: such gradients are corrupt in every
+  practical sense.) With the per-step layer on, its bucket sum (float32 chunks added in
+  float64) is that sum: the bucket is read once for both.
 * after all-reduce: the same on the reduced bucket, which every replica must agree on.
 
 Per-bucket sums stay on the device; :meth:`CheckedCommHook.flags` folds them into two flags the
@@ -45,11 +46,15 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
 class BucketObserver(Protocol):
-    """What else looks at each bucket before and after all-reduce (``detection.stepcheck``)."""
+    """What else looks at each bucket before and after all-reduce (``detection.stepcheck``).
 
-    def on_local(self, key: int, bucket: dist.GradBucket) -> None: ...
+    Each call may return the bucket's sum it took (a float32-or-wider scalar on the device,
+    non-finite exactly when an element is NaN/Inf or a float32 partial sum overflows): the hook
+    then uses it for its own check instead of reading the bucket once more."""
 
-    def on_reduced(self, key: int, reduced: torch.Tensor) -> None: ...
+    def on_local(self, key: int, bucket: dist.GradBucket) -> torch.Tensor | None: ...
+
+    def on_reduced(self, key: int, reduced: torch.Tensor) -> torch.Tensor | None: ...
 
 
 @dataclass(frozen=True)
@@ -151,9 +156,8 @@ class CheckedCommHook:
             ]
         if self._inject and self._injector is not None:
             self._injector.on_local_gradient(pairs)
-        self._pre[key] = _bucket_sum(buffer)
-        if self._observer is not None:
-            self._observer.on_local(key, bucket)
+        local = self._observer.on_local(key, bucket) if self._observer is not None else None
+        self._pre[key] = local if local is not None else _bucket_sum(buffer)
         if self._fingerprint:
             self._grad_fp[key] = fingerprint_on_device(
                 [g for _, g in pairs], offsets=[self._offset[i] for i, _ in pairs]
@@ -167,9 +171,8 @@ class CheckedCommHook:
             if self._inject and self._injector is not None:
                 flat = reduced.reshape(-1)
                 self._injector.on_reduced_gradient([(i, flat[o : o + n]) for i, o, n in offsets])
-            self._post[key] = _bucket_sum(reduced)
-            if self._observer is not None:
-                self._observer.on_reduced(key, reduced)
+            total = self._observer.on_reduced(key, reduced) if self._observer is not None else None
+            self._post[key] = total if total is not None else _bucket_sum(reduced)
             return reduced
 
         return self._inner(self._inner_state, bucket).then(after)

@@ -134,20 +134,21 @@ class StepChecks:
             self.abft.close_hooks()
 
     # -- the comm hook's calls ------------------------------------------------------------------
-    def on_local(self, key: int, bucket: dist.GradBucket) -> None:
+    def on_local(self, key: int, bucket: dist.GradBucket) -> torch.Tensor | None:
+        """The local bucket's statistics; returns its sum, which the non-finite check shares."""
         if self._decided:
-            return
+            return None
         buffer = bucket.buffer()
         self._u = unit_roundoff(buffer.dtype)
-        self.stats.on_local(key, buffer)
+        total = self.stats.on_local(key, buffer)
         if self.abft is not None:
             self.abft.on_local_gradient(
                 list(zip(bucket.parameters(), bucket.gradients(), strict=True))
             )
+        return total
 
-    def on_reduced(self, key: int, reduced: torch.Tensor) -> None:
-        if not self._decided:
-            self.stats.on_reduced(key, reduced)
+    def on_reduced(self, key: int, reduced: torch.Tensor) -> torch.Tensor | None:
+        return None if self._decided else self.stats.on_reduced(key, reduced)
 
     # -- the step -------------------------------------------------------------------------------
     def begin_step(self) -> None:

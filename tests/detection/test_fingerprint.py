@@ -371,3 +371,22 @@ def test_a_plan_equals_the_one_shot_fingerprint_and_follows_the_live_tensors() -
     transposed = [random_bits((3, 4), torch.float32, gen).t()]  # not contiguous: no cached view
     assert torch.equal(fp.FingerprintPlan(transposed)(), fingerprint_on_device(transposed))
     assert torch.equal(fp.FingerprintPlan([])(), torch.zeros(2, dtype=torch.int64))
+
+
+def test_a_small_plan_under_the_fused_kernel_takes_the_table_and_compiles_nothing() -> None:
+    """A model's buffers (a few hundred elements) are fingerprinted three times a step: under
+    ``fused`` their plan reads the multiplier table instead of paying a compiled call's
+    dispatch, with the same result."""
+    fp.set_kernel(Kernel.FUSED)
+    gen = torch.Generator().manual_seed(26)
+    tensors = [
+        random_bits((256,), torch.float32, gen),
+        torch.zeros((), dtype=torch.int64) + 7,
+        random_bits((33,), torch.bfloat16, gen),
+    ]
+    layouts = set(fp._STATE.layouts)
+    plan = fp.FingerprintPlan(tensors, start=1_000)
+    assert fingerprint_from_tensor(plan()) == reference(tensors, [1_000, 1_256, 1_257])
+    assert fp._STATE.layouts == layouts  # no layout was compiled for it
+    tensors[0][3] += 1.0
+    assert fingerprint_from_tensor(plan()) == reference(tensors, [1_000, 1_256, 1_257])
