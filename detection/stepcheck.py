@@ -250,12 +250,10 @@ class StepChecks:
 
     def state_flag(self) -> torch.Tensor:
         """``[1]`` if this rank's optimizer state holds a NaN/Inf after the update (device)."""
-        flag = torch.zeros(1, dtype=torch.int64, device=self.device)
         if not self.enabled:
-            return flag
-        for optimizer in self.optimizers:
-            flag = flag | state_nonfinite_flag(optimizer, self.params, self.device)
-        return flag
+            return torch.zeros(1, dtype=torch.int64, device=self.device)
+        flags = [state_nonfinite_flag(opt, self.params, self.device) for opt in self.optimizers]
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
 
     def merge(
         self,
