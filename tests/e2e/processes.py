@@ -117,7 +117,9 @@ class CliProcess:
     def kill_all(self) -> None:
         """Teardown of a failed test: the command and everything it started, by pid."""
         self.note_processes()
-        for process in [psutil.Process(self.proc.pid), *self.seen.values()]:
+        with contextlib.suppress(psutil.NoSuchProcess):  # the command may have ended already
+            psutil.Process(self.proc.pid).kill()
+        for process in self.seen.values():
             try:
                 process.kill()
             except psutil.NoSuchProcess:
