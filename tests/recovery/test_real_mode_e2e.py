@@ -58,6 +58,7 @@ from tests.prefect_processes import (
     PREFECT,
     REPO,
     flow_run_state,
+    flow_run_state_full,
     free_port,
     process,
     wait_for,
@@ -323,12 +324,20 @@ def _run(
 
     incident_id = _wait_for_incident(ledger, kubelet, first_pods)
     # The webhook started the deployment; the worker's flow-run process runs it to its end.
-    wait_for(
-        "the deployed flow run ends",
-        lambda: flow_run_state(api_url, incident_id) in {"COMPLETED", "FAILED", "CRASHED"},
-        timeout_s=400,
-        poll_s=1,
-    )
+    try:
+        wait_for(
+            "the deployed flow run ends",
+            lambda: flow_run_state(api_url, incident_id) in {"COMPLETED", "FAILED", "CRASHED"},
+            timeout_s=400,
+            poll_s=1,
+        )
+    except TimeoutError as err:  # say where it stood: the state, the ledger, the worker's log
+        stuck = ledger.get_incident(incident_id)
+        raise AssertionError(
+            f"{err}: flow run {flow_run_state_full(api_url, incident_id)}, incident "
+            f"{stuck.state}, actions {[a.kind for a in stuck.actions]}\n"
+            + worker_log.read_text()[-4000:]
+        ) from err
     incident = ledger.get_incident(incident_id)
     assert incident.state is IncidentState.RESOLVED, (
         incident.state, incident.verdict, incident.approval_reason, incident.storm_reason,
