@@ -570,7 +570,8 @@ class FingerprintPlan:
     stride and dtype (a parameter whose ``.data`` was replaced, an optimizer state created
     later) and rebuilds when one changed, so the result is always that of the live tensors.
     Lists the fused kernel takes (see ``auto``; under ``fused`` all but the smallest, up to
-    ``_PLAN_EAGER_MAX`` elements) go to :func:`fingerprint_on_device` unchanged.
+    ``_PLAN_EAGER_MAX`` elements) go to :func:`fingerprint_on_device` unchanged; every other
+    list, wherever its positions lie, reads multipliers the plan holds (8 bytes an element).
     """
 
     def __init__(self, tensors: Iterable[torch.Tensor], *, start: int = 0) -> None:
@@ -594,15 +595,26 @@ class FingerprintPlan:
         fused = _STATE.kernel is Kernel.FUSED or (
             _STATE.kernel is Kernel.AUTO and numel >= _FUSED_MIN_ELEMENTS
         )
-        if not ts or not contiguous or stop > _TABLE_MAX or (fused and numel > _PLAN_EAGER_MAX):
+        if not ts or not contiguous or numel > _TABLE_MAX or (fused and numel > _PLAN_EAGER_MAX):
             return
-        table = _TABLE.get(ts[0].device, stop)
+        device = ts[0].device
+        # The plan's own multipliers: slices of the shared table where its positions lie in it;
+        # beyond it (a model's buffers, numbered after millions of parameters) computed once for
+        # these positions, 8 bytes an element, so any small list takes the few-op path.
+        table = _TABLE.get(device, stop) if stop <= _TABLE_MAX else None
         groups: dict[int, list[tuple[torch.Tensor, int]]] = {}
         for t, o in zip(ts, where, strict=True):
             if t.numel():
                 groups.setdefault(t.element_size(), []).append((_flat_words(t), o))
         for size, members in groups.items():
-            mult = torch.cat([table[o : o + w.numel()] for w, o in members])
+            mult = torch.cat(
+                [
+                    table[o : o + w.numel()]
+                    if table is not None
+                    else multipliers(torch.arange(o, o + w.numel(), device=device))
+                    for w, o in members
+                ]
+            )
             self._groups.append(([w for w, _ in members], mult, size))
 
     def __call__(self) -> torch.Tensor:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from detection.vote import optimizer_state_tensors
+
 __all__ = ["OptimizerStateCheck", "state_nonfinite_flag"]
 
 _ONE_PASS_MAX = 1 << 20  # state elements summed through one concatenation (4 MiB in float32)
@@ -25,12 +27,8 @@ def state_nonfinite_flag(
     optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], device: torch.device
 ) -> torch.Tensor:
     """``1`` (int64, on ``device``) if any floating-point state tensor holds a NaN or an Inf."""
-    # Any order will do for a flag (the vote's order is optimizer_state_tensors'): no sort.
     tensors = [
-        v.detach()
-        for p in params
-        for v in (optimizer.state.get(p) or {}).values()
-        if isinstance(v, torch.Tensor) and v.dim() > 0 and v.is_floating_point()
+        t.detach() for t in optimizer_state_tensors(optimizer, params) if t.is_floating_point()
     ]
     if not tensors:
         return torch.zeros(1, dtype=torch.int64, device=device)

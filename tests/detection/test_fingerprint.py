@@ -373,10 +373,15 @@ def test_a_plan_equals_the_one_shot_fingerprint_and_follows_the_live_tensors() -
     assert torch.equal(fp.FingerprintPlan([])(), torch.zeros(2, dtype=torch.int64))
 
 
-def test_a_small_plan_under_the_fused_kernel_takes_the_table_and_compiles_nothing() -> None:
+@pytest.mark.parametrize("start", [1_000, 25_557_032], ids=["in-table", "beyond-table"])
+def test_a_small_plan_under_the_fused_kernel_takes_the_table_and_compiles_nothing(
+    start: int,
+) -> None:
     """A model's buffers (a few hundred elements) are fingerprinted three times a step: under
-    ``fused`` their plan reads the multiplier table instead of paying a compiled call's
-    dispatch, with the same result."""
+    ``fused`` their plan reads multipliers it holds instead of paying a compiled call's
+    dispatch, with the same result — also when they are numbered after a large model's
+    parameters, beyond the shared table (where the old plan fell back to a kernel per call)."""
+    assert start + 300 < fp._TABLE_MAX or start > fp._TABLE_MAX
     fp.set_kernel(Kernel.FUSED)
     gen = torch.Generator().manual_seed(26)
     tensors = [
@@ -384,9 +389,10 @@ def test_a_small_plan_under_the_fused_kernel_takes_the_table_and_compiles_nothin
         torch.zeros((), dtype=torch.int64) + 7,
         random_bits((33,), torch.bfloat16, gen),
     ]
+    offsets = [start, start + 256, start + 257]
     layouts = set(fp._STATE.layouts)
-    plan = fp.FingerprintPlan(tensors, start=1_000)
-    assert fingerprint_from_tensor(plan()) == reference(tensors, [1_000, 1_256, 1_257])
+    plan = fp.FingerprintPlan(tensors, start=start)
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
     assert fp._STATE.layouts == layouts  # no layout was compiled for it
     tensors[0][3] += 1.0
-    assert fingerprint_from_tensor(plan()) == reference(tensors, [1_000, 1_256, 1_257])
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
