@@ -52,6 +52,7 @@ from flows.webhook import create_app
 from flows.wiring import build_backends, use_backends
 from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
 from recovery.cluster import LocalCluster
+from recovery.errors import NotFoundError
 from recovery.jobs import JobKind, JobRef, JobStatus, LocalJobControl
 
 __all__ = ["DEMO_FAULTS", "DemoConfig", "DemoError", "run_demo"]
@@ -292,9 +293,15 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
 
 
 def _stop_all(jobs: LocalJobControl, refs: list[JobRef]) -> None:
+    """The demo's last cleanup: stop every job it may have started. A job never launched is
+    no error here; any other failure is logged and the next job is still stopped."""
     for ref in refs:
-        with contextlib.suppress(Exception):  # cleanup of a job that may never have started
+        try:
             jobs.stop(ref)
+        except NotFoundError:
+            continue
+        except Exception:
+            log.exception("the demo could not stop its job %s", ref.name, extra={"job": ref.name})
 
 
 def _wait_job(jobs: LocalJobControl, ref: JobRef, timeout_s: float, what: str) -> None:

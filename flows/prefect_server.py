@@ -38,6 +38,8 @@ from types import FrameType
 
 import httpx
 
+from recovery.jobs.process_group import group_alive
+
 __all__ = [
     "PrefectServer",
     "PrefectServerError",
@@ -142,6 +144,14 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    # SIGKILL is delivered, not yet acted on, when killpg returns: the command ends only once no
+    # member of the group is left, so nothing of the server is seen running after it.
+    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    while group_alive(proc.pid):
+        if time.monotonic() > deadline:
+            log.error("prefect server group %d still has members after SIGKILL", proc.pid)
+            break
+        time.sleep(0.02)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,7 @@ from recovery.jobs.process_group import (
     group_alive,
     read_returncode,
     reap_children,
+    signals_deferred,
     start_ticks,
     track_child,
     tracked_child,
@@ -109,8 +110,9 @@ class LocalJobControl:
                 "log_path": str(Path(log_path).resolve()),
                 "launches": history,
             }
-            launch = self._start(record, list(args), resume=None)
-            self._save(job_id, record)
+            with signals_deferred():  # started means recorded: stop() can always find it
+                launch = self._start(record, list(args), resume=None)
+                self._save(job_id, record)
         log.info("launched %s as pid %d", job_id, launch["pid"], extra={"job": job_id})
         return int(launch["pid"])
 
@@ -203,10 +205,11 @@ class LocalJobControl:
                 return ResumeResult(
                     job, ResumeOutcome.ALREADY_RESUMED, checkpoint_uri, step, pinned, last["pid"]
                 )
-            launch = self._start(
-                record, wanted, resume={"checkpoint_uri": checkpoint_uri, "step": step}
-            )
-            self._save(job_id, record)
+            with signals_deferred():  # started means recorded: stop() can always find it
+                launch = self._start(
+                    record, wanted, resume={"checkpoint_uri": checkpoint_uri, "step": step}
+                )
+                self._save(job_id, record)
         log.info(
             "resumed %s from %s (step %d) as pid %d",
             job_id,

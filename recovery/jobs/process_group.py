@@ -8,10 +8,13 @@ only the one that started it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 # The supervisor every local job runs under, as its process-group leader: it runs the real
@@ -107,3 +110,40 @@ def group_alive(pgid: int) -> bool:
         ):
             return True
     return False
+
+
+_DEFERRED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for the block and deliver them after it.
+
+    Starting a job and recording it must be one step: a Ctrl-C or SIGTERM that unwinds the
+    caller between the fork and the saved record leaves a process group nobody knows of, which
+    no ``stop()`` can find (the demo stopped by SIGTERM left its training running that way).
+    Held here, the signal is raised again once the record is on disk, so the caller's cleanup
+    finds the job. Only the main thread receives Python signals; elsewhere this does nothing.
+    A handler installed outside Python (``signal.signal`` returned None) is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum: int, _frame: object) -> None:
+        pending.append(signum)
+
+    previous: dict[int, signal._HANDLER] = {}
+    try:
+        for signum in _DEFERRED_SIGNALS:
+            handler = signal.getsignal(signum)
+            if handler is None or handler == signal.SIG_IGN:
+                continue
+            previous[signum] = signal.signal(signum, hold)
+        yield
+    finally:
+        for held, handler in previous.items():
+            signal.signal(held, handler)
+        for arrived in dict.fromkeys(pending):  # each once, in arrival order
+            signal.raise_signal(arrived)

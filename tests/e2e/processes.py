@@ -103,14 +103,16 @@ class CliProcess:
                 f"the command still runs after {timeout_s:g} s:\n{self.output}"
             ) from None
 
-    def left_behind(self) -> list[psutil.Process]:
-        """Processes seen under the command that still live (zombies count as gone)."""
+    def left_behind(self) -> list[str]:
+        """Processes seen under the command that still live (zombies count as gone), each as
+        pid, process group and command line, so a failure says what was left."""
         alive = []
         for process in self.seen.values():
             try:
                 if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(process)
-            except psutil.NoSuchProcess:
+                    cmdline = " ".join(process.cmdline())[:300]
+                    alive.append(f"pid {process.pid} pgid {os.getpgid(process.pid)}: {cmdline}")
+            except (psutil.NoSuchProcess, ProcessLookupError):
                 continue
         return alive
 

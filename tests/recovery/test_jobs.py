@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -447,6 +448,45 @@ def test_resume_args_keep_the_original_run_outputs() -> None:
         "--resume-from",
         "/c.pt",
     ]
+
+
+class _Terminated(BaseException):
+    """What a command's SIGTERM handler raises (``sdcguard demo`` has one)."""
+
+
+def _raise_terminated(_signum: int, _frame: object) -> None:
+    raise _Terminated
+
+
+def test_sigterm_between_the_fork_and_the_record_still_leaves_a_job_stop_can_find(
+    rig: LocalRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM that lands while the job is being started (here: the moment the process
+    exists, before its record is written) reaches the caller only after the launch is
+    recorded, so the caller's cleanup stops it. Before, the launch unwound with the group
+    running and unrecorded: ``stop()`` said "never launched" and the training lived on."""
+    real_popen = subprocess.Popen
+
+    class PopenThenSigterm(real_popen):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            signal.raise_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        monkeypatch.setattr(subprocess, "Popen", PopenThenSigterm)
+        with pytest.raises(_Terminated):
+            rig.control.launch("local-7", ARGS, rig.log)
+        monkeypatch.setattr(subprocess, "Popen", real_popen)
+        assert signal.getsignal(signal.SIGTERM) is _raise_terminated  # the caller's, back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    pid = rig.control.pid(LJOB)
+    rig.started(pid)
+    assert _group_members(pid)
+
+    assert rig.control.stop(LJOB).outcome is StopOutcome.STOPPED
+    assert _group_members(pid) == []
 
 
 def test_local_launch_stop_resume(rig: LocalRig) -> None:
