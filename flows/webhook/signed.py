@@ -2,8 +2,9 @@
 
 Order of checks, each one before the next is allowed to look at the body:
 
-1. size — ``Content-Length`` over the limit, or a streamed body growing past it: 413, and the
-   rest is never read (an unauthenticated caller cannot make us buffer an unbounded body);
+1. size — ``Content-Length`` over the limit, or a streamed body growing past it: 413, the rest
+   read and dropped within a bound so that the sender can read the answer, never buffered (an
+   unauthenticated caller cannot make us hold or read an unbounded body);
 2. authentication — the canonical-request HMAC over method, path, query and the *raw* bytes
    (``detection.signing.verify``, constant time, the key looked up by its id), or a bearer
    token (reader token or Kubernetes service-account token) with a fresh timestamp and nonce:
@@ -23,19 +24,22 @@ nonce to the alarm batch, which claims it in the transaction that records the al
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import re
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import anyio
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
 from detection.signing import (
@@ -65,6 +69,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MAX_JSON_DEPTH = 32
+# What a refused body is still read for (and dropped), so its sender gets the 413: see
+# _read_bounded. Beyond either bound the connection is closed unread.
+_DRAIN_MAX_BYTES = 64 << 20
+_DRAIN_MAX_S = 10.0
 
 
 class Refused(Exception):
@@ -236,20 +244,43 @@ def check_checkpoint_uri(principal: Principal, job_id: str, uri: str) -> None:
 
 
 async def _read_bounded(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes; 413 past it, once the rest has been drained.
+
+    Most HTTP clients send the whole body before they read the answer. Closing the connection
+    on unread input makes the kernel answer with a reset, and such a client never sees the 413
+    (from ~4 MiB on loopback): so a refused body is read on and dropped, at most
+    ``_DRAIN_MAX_BYTES`` and ``_DRAIN_MAX_S``, before the answer. Past either bound — or for a
+    ``Content-Length`` past the byte bound — it is refused at once: what an unauthenticated
+    caller can make us read stays bounded, and nothing refused is ever buffered.
+    """
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
             raise Refused(400, "Content-Length is not a number")
         if int(declared) > limit:
-            raise Refused(413, f"body of {declared} bytes is over the {limit}-byte limit")
+            refused = Refused(413, f"body of {declared} bytes is over the {limit}-byte limit")
+            if int(declared) <= _DRAIN_MAX_BYTES:
+                await _drain(request, 0)
+            raise refused
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    stream = request.stream()
+    async for chunk in stream:
         size += len(chunk)
         if size > limit:
+            await _drain(request, size, stream)
             raise Refused(413, f"body is over the {limit}-byte limit")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _drain(request: Request, size: int, stream: AsyncIterator[bytes] | None = None) -> None:
+    """Read and drop the rest of a refused body, within the drain bounds (see above)."""
+    with anyio.move_on_after(_DRAIN_MAX_S), contextlib.suppress(ClientDisconnect):
+        async for chunk in stream if stream is not None else request.stream():
+            size += len(chunk)
+            if size > _DRAIN_MAX_BYTES:
+                return
 
 
 def _no_constant(name: str) -> Any:

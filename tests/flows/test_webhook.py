@@ -6,8 +6,10 @@ unchanged ledger (rows counted in every table).
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +21,7 @@ from db import Ledger
 from detection.signing import SIGNATURE_HEADER, signed_headers
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
-from flows.webhook import create_app, dispatcher_of
+from flows.webhook import create_app, dispatcher_of, signed
 from tests.flows.conftest import Webhook, alarm_payload, ranks_payload, row_counts
 
 
@@ -319,6 +321,71 @@ def test_oversize_streamed_body_without_length_is_413(webhook: Webhook) -> None:
     assert response.status_code == 413
     assert "limit" in response.json()["detail"]
     assert row_counts(webhook.ledger) == before
+
+
+def _address(webhook: Webhook) -> tuple[str, int]:
+    host, port = webhook.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_an_oversize_body_sent_whole_before_reading_still_gets_its_413(
+    webhook: Webhook, framing: str
+) -> None:
+    """http.client writes the whole body before it reads a byte of the answer, as most clients
+    do. Refused unread, a body of some MiB made the server close on unread input: the client
+    got a reset (or a broken pipe) instead of the 413 and its reason."""
+    body = json.dumps(alarm_payload(detail={"pad": "x" * (8 << 20)})).encode()
+    before = row_counts(webhook.ledger)
+    connection = http.client.HTTPConnection(*_address(webhook), timeout=30)
+    try:
+        headers = {"Content-Type": "application/json"}
+        if framing == "chunked":
+            pieces = (body[i : i + 65536] for i in range(0, len(body), 65536))
+            connection.request("POST", "/v1/alarms", pieces, headers, encode_chunked=True)
+        else:
+            connection.request("POST", "/v1/alarms", body, headers)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+    finally:
+        connection.close()
+
+    assert response.status == 413
+    assert "limit" in answer["detail"]
+    assert row_counts(webhook.ledger) == before
+
+
+def _first_line_within(sock: socket.socket, timeout_s: float) -> bytes:
+    sock.settimeout(timeout_s)
+    return sock.recv(64).split(b"\r\n", 1)[0]
+
+
+def test_a_declared_body_past_the_drain_bound_is_refused_without_waiting_for_it(
+    webhook: Webhook,
+) -> None:
+    """A gigabyte announced is not read to answer it: the 413 comes before any body byte."""
+    with socket.create_connection(_address(webhook)) as sock:
+        sock.sendall(
+            b"POST /v1/alarms HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1073741824\r\n\r\n"
+        )
+        assert _first_line_within(sock, 10.0).startswith(b"HTTP/1.1 413")
+
+
+def test_a_refused_body_that_stalls_is_answered_after_the_drain_time_bound(
+    webhook: Webhook, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused body is drained for a bounded time only: a sender that stops mid-body does not
+    hold the request open (the default bound is 10 s; here 0.5 s)."""
+    monkeypatch.setattr(signed, "_DRAIN_MAX_S", 0.5)
+    with socket.create_connection(_address(webhook)) as sock:
+        sock.sendall(
+            b"POST /v1/alarms HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1048576\r\n\r\n" + b" " * 1000
+        )
+        started = time.monotonic()
+        assert _first_line_within(sock, 10.0).startswith(b"HTTP/1.1 413")
+        assert time.monotonic() - started < 5.0
 
 
 # ---------------------------------------------------------------------- refusals: body
