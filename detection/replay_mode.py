@@ -13,7 +13,8 @@ guard sees the variables and
   incident nor overwrite the job's checkpoints);
 - after ``SDCGUARD_REPLAY_END`` prints the trace and probe between marker lines on stdout —
   the pod log is how the results come back — and ends the process (:class:`ReplayFinished`,
-  a ``SystemExit(0)``), so the script's own loop length does not matter.
+  a ``SystemExit(0)``), so the script's own loop length does not matter; the process exits
+  with status 0 once the script has unwound, before the interpreter's teardown.
 
 Invariant: the trace holds exactly the steps ``SDCGUARD_REPLAY_START..SDCGUARD_REPLAY_END``
 the job ran, one line each, in the format of ``sdcguard train --trace``. The module imports
@@ -22,7 +23,10 @@ torch only when replay mode is on, so the control plane may import the marker co
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import logging
 import os
 import sys
 import warnings
@@ -55,10 +59,29 @@ REPLAY_PROBE_STEP_ENV = "SDCGUARD_REPLAY_PROBE_STEP"
 
 
 class ReplayFinished(SystemExit):
-    """The replay reached its last step: the process ends with status 0."""
+    """The replay reached its last step: the process ends with status 0.
+
+    The script's ``finally`` blocks still run as the exception unwinds; the interpreter's
+    teardown does not (:func:`_end_now`)."""
 
     def __init__(self) -> None:
         super().__init__(0)
+
+
+def _end_now() -> None:
+    """End a finished replay before the interpreter tears itself down.
+
+    The trace is out and every collective is done: nothing is left for the process to do. Its
+    teardown is where a native thread of the job's libraries can abort it ("terminate called
+    without an active exception", status 134 — seen on a replay pod after its trace); that turns
+    a finished replay into a failed pod and its evidence into "inconclusive". So the streams
+    and log handlers are flushed and the process exits with status 0 at once.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(ValueError, OSError):  # a stream the script closed or lost
+            stream.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 @dataclass
@@ -133,6 +156,7 @@ class ReplayMode:
         if step >= self.end:
             if self.rank == 0:
                 self.print(out or sys.stdout)
+            atexit.register(_end_now)  # registered last, so it runs first of the atexit handlers
             raise ReplayFinished()
 
     def print(self, out: TextIO) -> None:
