@@ -110,9 +110,7 @@ class LocalJobControl:
                 "log_path": str(Path(log_path).resolve()),
                 "launches": history,
             }
-            with signals_deferred():  # started means recorded: stop() can always find it
-                launch = self._start(record, list(args), resume=None)
-                self._save(job_id, record)
+            launch = self._start(record, list(args), resume=None)
         log.info("launched %s as pid %d", job_id, launch["pid"], extra={"job": job_id})
         return int(launch["pid"])
 
@@ -205,11 +203,9 @@ class LocalJobControl:
                 return ResumeResult(
                     job, ResumeOutcome.ALREADY_RESUMED, checkpoint_uri, step, pinned, last["pid"]
                 )
-            with signals_deferred():  # started means recorded: stop() can always find it
-                launch = self._start(
-                    record, wanted, resume={"checkpoint_uri": checkpoint_uri, "step": step}
-                )
-                self._save(job_id, record)
+            launch = self._start(
+                record, wanted, resume={"checkpoint_uri": checkpoint_uri, "step": step}
+            )
         log.info(
             "resumed %s from %s (step %d) as pid %d",
             job_id,
@@ -238,6 +234,22 @@ class LocalJobControl:
     # -- internals ---------------------------------------------------------------------
 
     def _start(
+        self, record: dict[str, Any], args: list[str], resume: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        """Start one run and save ``record`` with it, as one step: started means recorded, so
+        ``stop()`` can always find a run. SIGINT/SIGTERM wait until the record is on disk; a
+        record that cannot be written kills the run it would have named, and the error goes on."""
+        with signals_deferred():
+            launch = self._spawn(record, args, resume)
+            try:
+                self._save(record["job_id"], record)
+            except Exception:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(int(launch["pgid"]), signal.SIGKILL)
+                raise
+        return launch
+
+    def _spawn(
         self, record: dict[str, Any], args: list[str], resume: Mapping[str, Any] | None
     ) -> dict[str, Any]:
         job_id = record["job_id"]

@@ -124,7 +124,8 @@ def signals_deferred() -> Iterator[None]:
     no ``stop()`` can find (the demo stopped by SIGTERM left its training running that way).
     Held here, the signal is raised again once the record is on disk, so the caller's cleanup
     finds the job. Only the main thread receives Python signals; elsewhere this does nothing.
-    A handler installed outside Python (``signal.signal`` returned None) is left alone.
+    An ignored signal, and a handler installed outside Python (``getsignal`` returns None), are
+    left alone.
     """
     if threading.current_thread() is not threading.main_thread():
         yield

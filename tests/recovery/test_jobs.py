@@ -489,6 +489,39 @@ def test_sigterm_between_the_fork_and_the_record_still_leaves_a_job_stop_can_fin
     assert _group_members(pid) == []
 
 
+def test_a_launch_whose_record_cannot_be_written_leaves_no_run_behind(
+    rig: LocalRig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started means recorded: a record that cannot reach the disk (here: ``fsync`` failing as
+    on a full disk) kills the run it would have named, and the launch fails with the error."""
+
+    def full_disk(_fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        rig.control.launch("local-7", ARGS, rig.log)
+    monkeypatch.undo()
+
+    exit_path = str(rig.state_dir / "local-7.1.exit")
+    _wait_for(lambda: not _processes_mentioning(exit_path), timeout_s=10)
+    with pytest.raises(NotFoundError):
+        rig.control.stop(LJOB)  # nothing was recorded, and nothing runs
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line holds ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _live(int(entry.name)):
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return found
+
+
 def test_local_launch_stop_resume(rig: LocalRig) -> None:
     control = rig.control
     pid = control.launch("local-7", ARGS, rig.log)
