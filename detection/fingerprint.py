@@ -578,7 +578,11 @@ class FingerprintPlan:
         self.tensors = list(tensors)
         self._start = start
         self._key: list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]] | None = None
-        self._groups: list[tuple[list[torch.Tensor], torch.Tensor, int]] = []
+        # Per element size: the word views and where their int64 copies go in ``_words``.
+        self._groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._words: torch.Tensor | None = None  # every word widened to int64, reused
+        self._mult: torch.Tensor | None = None  # their multipliers, in the same order
+        self._mask: int | torch.Tensor | None = None  # zero-extension of narrow words
         self._device: torch.device | None = None
 
     def _signature(self) -> list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]:
@@ -586,7 +590,7 @@ class FingerprintPlan:
 
     def _build(self, key: list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]) -> None:
         ts = _prepare(self.tensors)
-        self._key, self._groups = key, []
+        self._key, self._groups, self._words = key, [], None
         self._device = ts[0].device if ts else None
         where = _offsets(ts, None, self._start)
         stop = max((o + t.numel() for t, o in zip(ts, where, strict=True)), default=0)
@@ -606,34 +610,53 @@ class FingerprintPlan:
         for t, o in zip(ts, where, strict=True):
             if t.numel():
                 groups.setdefault(t.element_size(), []).append((_flat_words(t), o))
+        if not groups:
+            return
+        words = torch.empty(numel, dtype=torch.int64, device=device)
+        mults: list[torch.Tensor] = []
+        masks: list[tuple[int, int]] = []
+        at = 0
         for size, members in groups.items():
-            mult = torch.cat(
-                [
-                    table[o : o + w.numel()]
-                    if table is not None
-                    else multipliers(torch.arange(o, o + w.numel(), device=device))
-                    for w, o in members
-                ]
+            n = sum(w.numel() for w, _ in members)
+            self._groups.append(([w for w, _ in members], words[at : at + n]))
+            at += n
+            mults.extend(
+                table[o : o + w.numel()]
+                if table is not None
+                else multipliers(torch.arange(o, o + w.numel(), device=device))
+                for w, o in members
             )
-            self._groups.append(([w for w, _ in members], mult, size))
+            masks.append((n, _WORD_MASK.get(size, -1)))
+        self._words, self._mult = words, torch.cat(mults)
+        # One zero-extension for every narrow word: a scalar when all words share a width,
+        # else a per-word mask (all ones over 8-byte words).
+        widths = {m for _, m in masks}
+        if widths == {-1}:
+            self._mask = None
+        elif len(widths) == 1:
+            self._mask = widths.pop()
+        else:
+            self._mask = torch.cat(
+                [torch.full((n,), m, dtype=torch.int64, device=device) for n, m in masks]
+            )
 
     def __call__(self) -> torch.Tensor:
+        """Per element size one ``cat`` of the word views and one widening copy into a reused
+        int64 buffer, then one mask and two reductions over all of them: a fixed handful of
+        ops whatever the number of tensors and element sizes."""
         key = self._signature()
         if key != self._key:
             self._build(key)
         if self._device is None:
             return torch.zeros(2, dtype=torch.int64)
-        if not self._groups:
+        words, mult = self._words, self._mult
+        if words is None or mult is None:
             return fingerprint_on_device(self.tensors, start=self._start)
-        parts = []
-        with torch.no_grad():
-            for views, mult, size in self._groups:
-                words = views[0] if len(views) == 1 else torch.cat(views)
-                w64 = words.to(torch.int64, copy=True)
-                if size < 8:
-                    w64.bitwise_and_(_WORD_MASK[size])
-                parts.append(torch.stack([w64.sum(), _dot(w64, mult)]))
-        return parts[0] if len(parts) == 1 else torch.stack(parts).sum(0)
+        for views, into in self._groups:
+            into.copy_(views[0] if len(views) == 1 else torch.cat(views))
+        if self._mask is not None:
+            words.bitwise_and_(self._mask)
+        return torch.stack([words.sum(), _dot(words, mult)])
 
 
 def weight_fingerprint(tensors: Iterable[torch.Tensor]) -> Fingerprint:

@@ -87,6 +87,10 @@ def _bucket_sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float64 else t.to(torch.float64)
+
+
 class CheckedCommHook:
     """The communication hook the guard registers on the DDP model.
 
@@ -178,14 +182,22 @@ class CheckedCommHook:
         return self._inner(self._inner_state, bucket).then(after)
 
     def flags(self) -> torch.Tensor:
-        """``[pre_bad, post_bad]`` as int64 on the device, without a host synchronisation: one
-        stack of every bucket's sum, one finiteness test (a bucket's sum is non-finite exactly
-        when one of its elements is NaN/Inf, or the float32 sum overflowed)."""
-        pre, post = list(self._pre.values()), list(self._post.values())
+        """``[pre_bad, post_bad]`` as int64 on the device, without a host synchronisation: the
+        float64 total of every bucket's sum before and after all-reduce, one finiteness test.
+        A total is non-finite exactly when one bucket's sum is (one of its elements is NaN/Inf,
+        or its float32 sum overflowed): float64 cannot overflow from float32-sized terms."""
+        pre = [_wide(s) for s in self._pre.values()]
+        post = [_wide(s) for s in self._post.values()]
         if not pre and not post:
             return torch.zeros(2, dtype=torch.int64, device=self._device)
-        bad = ~torch.isfinite(torch.stack([s.to(torch.float64) for s in (*pre, *post)]))
-        return torch.stack([bad[: len(pre)].any(), bad[len(pre) :].any()]).to(torch.int64)
+        if len(pre) == len(post):
+            both = torch.stack(pre + post)
+            if len(pre) > 1:
+                both = both.view(2, -1).sum(1)
+        else:
+            zero = torch.zeros((), dtype=torch.float64, device=self._device)
+            both = torch.stack([torch.stack(side).sum() if side else zero for side in (pre, post)])
+        return torch.isfinite(both).logical_not().to(torch.int64)
 
     def gradient_fingerprint(self) -> torch.Tensor:
         """Σ over buckets of the local-gradient fingerprints (wrapping int64), on the device."""

@@ -13,38 +13,106 @@ Invariant: the flag is 1 when some state element is NaN or ±Inf (or a float32 s
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from detection.vote import optimizer_state_tensors
-
-__all__ = ["OptimizerStateCheck", "state_nonfinite_flag"]
+__all__ = ["OptimizerStateCheck", "StateFlag", "state_nonfinite_flag"]
 
 _ONE_PASS_MAX = 1 << 20  # state elements summed through one concatenation (4 MiB in float32)
+
+
+class StateFlag:
+    """The non-finite flag of one optimizer's state, taken every step.
+
+    The floating-point state tensors, their flat views and (for a small state) the buffer
+    they are concatenated into are kept between steps: walking the state and reshaping each
+    tensor cost more than the sum itself on a small model. Before each use the cache is checked
+    against the live optimizer — the same state mapping, the same per-parameter dicts with the
+    same number of entries, each cached tensor still the one its dict holds, at the same
+    address — and rebuilt when anything changed (the first step creating the state, a
+    ``load_state_dict``, a new key), so the flag is always that of the state as it is.
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], device: torch.device
+    ) -> None:
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.device = device
+        self._state: object = None
+        self._entries = -1
+        self._dicts: list[tuple[dict[Any, Any], int]] = []
+        self._slots: list[tuple[dict[Any, Any], Any, torch.Tensor, int]] = []
+        self._flat: list[torch.Tensor] = []
+        self._buffer: torch.Tensor | None = None
+
+    def _valid(self) -> bool:
+        state = self.optimizer.state
+        return (
+            state is self._state
+            and len(state) == self._entries
+            and all(len(d) == n for d, n in self._dicts)
+            and all(d.get(k) is t and t.data_ptr() == ptr for d, k, t, ptr in self._slots)
+        )
+
+    def _rebuild(self) -> None:
+        state = self.optimizer.state
+        self._state, self._entries = state, len(state)
+        self._dicts, self._slots = [], []
+        for p in self.params:
+            per = state.get(p)
+            if not per:
+                continue
+            self._dicts.append((per, len(per)))
+            for key in sorted(per, key=str):
+                value = per[key]
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dim() > 0
+                    and value.is_floating_point()
+                ):
+                    self._slots.append((per, key, value, value.data_ptr()))
+        self._flat = [t.detach().reshape(-1) for _, _, t, _ in self._slots]
+        numel = sum(t.numel() for t in self._flat)
+        dtypes = {t.dtype for t in self._flat}
+        devices = {t.device for t in self._flat}
+        self._buffer = (
+            torch.empty(numel, dtype=dtypes.pop(), device=devices.pop())
+            if self._flat and numel <= _ONE_PASS_MAX and len(dtypes) == 1 and len(devices) == 1
+            else None
+        )
+
+    def __call__(self) -> torch.Tensor:
+        """``1`` (int64, on ``device``) if any floating-point state tensor holds a NaN or an
+        Inf."""
+        if not self._valid():
+            self._rebuild()
+        flat = self._flat
+        if not flat:
+            return torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self._buffer is not None:
+            # Small state (where the per-tensor launches are the cost): one float32 sum over
+            # one concatenation into the kept buffer, a copy of at most _ONE_PASS_MAX elements.
+            source = flat[0] if len(flat) == 1 else torch.cat(flat, out=self._buffer)
+            total = source.sum(dtype=torch.float32)
+        else:
+            # One float32 sum per tensor (a NaN or an Inf anywhere makes it non-finite), folded
+            # in float64 on the device: no copy of the state. Cheaper on CPU than a max-norm.
+            total = torch.stack(
+                [t.sum(dtype=torch.float32).to(self.device, torch.float64) for t in flat]
+            ).sum()
+        # A finite state so large that a sum overflows float32 (|Σ| > 3.4e38) is corrupt in
+        # every practical sense.
+        return (~torch.isfinite(total)).to(device=self.device, dtype=torch.int64).reshape(1)
 
 
 def state_nonfinite_flag(
     optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], device: torch.device
 ) -> torch.Tensor:
-    """``1`` (int64, on ``device``) if any floating-point state tensor holds a NaN or an Inf."""
-    tensors = [
-        t.detach() for t in optimizer_state_tensors(optimizer, params) if t.is_floating_point()
-    ]
-    if not tensors:
-        return torch.zeros(1, dtype=torch.int64, device=device)
-    if sum(t.numel() for t in tensors) <= _ONE_PASS_MAX:
-        # Small state (where the per-tensor launches are the cost): one float32 sum over one
-        # concatenation, a copy of at most _ONE_PASS_MAX elements.
-        total = torch.cat([t.reshape(-1) for t in tensors]).sum(dtype=torch.float32)
-    else:
-        # One float32 sum per tensor (a NaN or an Inf anywhere makes it non-finite), folded in
-        # float64 on the device: no copy of the state. Cheaper on CPU than a max-norm.
-        total = torch.stack(
-            [t.sum(dtype=torch.float32).to(device, torch.float64) for t in tensors]
-        ).sum()
-    # A finite state so large that a sum overflows float32 (|Σ| > 3.4e38) is corrupt in every
-    # practical sense.
-    return (~torch.isfinite(total)).to(device=device, dtype=torch.int64).reshape(1)
+    """``1`` (int64, on ``device``) if any floating-point state tensor holds a NaN or an Inf
+    (one look; a guard keeps a :class:`StateFlag` per optimizer instead)."""
+    return StateFlag(optimizer, params, device)()
 
 
 class OptimizerStateCheck:

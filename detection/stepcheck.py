@@ -49,7 +49,7 @@ from detection.abft import LinearChecksums
 from detection.alarm import Layer, Phase
 from detection.allreduce_check import check_reduction, unit_roundoff
 from detection.gradstats import BUCKET_FIELDS, GradStatsDetector, LocalGradStats, StatsConfig
-from detection.optstate import OptimizerStateCheck, state_nonfinite_flag
+from detection.optstate import OptimizerStateCheck, StateFlag
 from detection.vote import all_gather_rows
 
 __all__ = ["StepCheckFinding", "StepChecks"]
@@ -120,6 +120,7 @@ class StepChecks:
         self._abft_tau: list[float] | None = None
         self._check_reduction = check_reduction
         self._state = OptimizerStateCheck()
+        self._state_flags = [StateFlag(opt, self.params, self.device) for opt in self.optimizers]
         self._extra = extra
         self._decided = True
         self._carried: tuple[torch.Tensor, int] | None = None
@@ -252,7 +253,7 @@ class StepChecks:
         """``[1]`` if this rank's optimizer state holds a NaN/Inf after the update (device)."""
         if not self.enabled:
             return torch.zeros(1, dtype=torch.int64, device=self.device)
-        flags = [state_nonfinite_flag(opt, self.params, self.device) for opt in self.optimizers]
+        flags = [flag() for flag in self._state_flags]
         return flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
 
     def merge(

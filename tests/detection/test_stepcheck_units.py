@@ -20,7 +20,7 @@ from detection.allreduce_check import (
 )
 from detection.faults import flip_bit_
 from detection.gradstats import GradStatsDetector, StatsConfig, StatsConfigError
-from detection.optstate import OptimizerStateCheck, state_nonfinite_flag
+from detection.optstate import OptimizerStateCheck, StateFlag, state_nonfinite_flag
 
 U32 = unit_roundoff(torch.float32)
 
@@ -152,6 +152,38 @@ def test_optimizer_state_flag_sees_an_infinite_second_moment() -> None:
     assert check.observe([0, 1]) is None  # the same state, still non-finite: one event
     assert check.observe([0, 0]) is None
     assert check.observe([1, 0]) == (0,)
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["one-pass", "per-tensor"])
+def test_a_kept_state_flag_follows_the_live_optimizer_state(
+    large: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flag keeps the state's tensors between steps; whatever replaces them (the first
+    step creating the state, ``load_state_dict``, a new key, a tensor swapped in place of
+    another) is what it reads next, never the tensors it kept."""
+    if large:
+        monkeypatch.setattr("detection.optstate._ONE_PASS_MAX", 4)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    optimizer = torch.optim.Adam(model.parameters())
+    params = list(model.parameters())
+    flag = StateFlag(optimizer, params, torch.device("cpu"))
+    assert flag().tolist() == [0]  # no state yet
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    assert flag().tolist() == [0]
+    optimizer.state[params[2]]["exp_avg"][0, 1] = math.nan  # in place: the kept view sees it
+    assert flag().tolist() == [1]
+    optimizer.state[params[2]]["exp_avg"].zero_()
+    assert flag().tolist() == [0]
+    saved = optimizer.state_dict()
+    saved["state"][1]["exp_avg_sq"] = torch.full((3,), math.inf)
+    optimizer.load_state_dict(saved)  # new tensors in a new state mapping
+    assert flag().tolist() == [1]
+    optimizer.state[params[1]]["exp_avg_sq"] = torch.zeros(3)  # one tensor swapped
+    assert flag().tolist() == [0]
+    optimizer.state[params[3]]["extra"] = torch.tensor([math.inf])  # a new key
+    assert flag().tolist() == [1]
+    assert state_nonfinite_flag(optimizer, params, torch.device("cpu")).tolist() == [1]
 
 
 def _abft_model(flip_output: bool = False) -> tuple[nn.Sequential, LinearChecksums]:
