@@ -612,7 +612,10 @@ class FingerprintPlan:
                 groups.setdefault(t.element_size(), []).append((_flat_words(t), o))
         if not groups:
             return
-        words = torch.empty(numel, dtype=torch.int64, device=device)
+        # A normal tensor even when first called under inference mode, so that later calls
+        # outside it may write into it (an inference tensor refuses in-place updates there).
+        with torch.inference_mode(False):
+            words = torch.empty(numel, dtype=torch.int64, device=device)
         mults: list[torch.Tensor] = []
         masks: list[tuple[int, int]] = []
         at = 0

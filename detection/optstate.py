@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from detection.vote import optimizer_state_slots
+
 __all__ = ["OptimizerStateCheck", "StateFlag", "state_nonfinite_flag"]
 
 _ONE_PASS_MAX = 1 << 20  # state elements summed through one concatenation (4 MiB in float32)
@@ -59,29 +61,18 @@ class StateFlag:
     def _rebuild(self) -> None:
         state = self.optimizer.state
         self._state, self._entries = state, len(state)
-        self._dicts, self._slots = [], []
-        for p in self.params:
-            per = state.get(p)
-            if not per:
-                continue
-            self._dicts.append((per, len(per)))
-            for key in sorted(per, key=str):
-                value = per[key]
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.dim() > 0
-                    and value.is_floating_point()
-                ):
-                    self._slots.append((per, key, value, value.data_ptr()))
+        slots = optimizer_state_slots(self.optimizer, self.params)
+        # every parameter's state dict, also one holding only scalars yet (a new key shows)
+        self._dicts = [(d, len(d)) for d in (state.get(p) for p in self.params) if d]
+        self._slots = [(d, k, t, t.data_ptr()) for d, k, t in slots if t.is_floating_point()]
         self._flat = [t.detach().reshape(-1) for _, _, t, _ in self._slots]
         numel = sum(t.numel() for t in self._flat)
         dtypes = {t.dtype for t in self._flat}
         devices = {t.device for t in self._flat}
-        self._buffer = (
-            torch.empty(numel, dtype=dtypes.pop(), device=devices.pop())
-            if self._flat and numel <= _ONE_PASS_MAX and len(dtypes) == 1 and len(devices) == 1
-            else None
-        )
+        self._buffer = None
+        if self._flat and numel <= _ONE_PASS_MAX and len(dtypes) == 1 and len(devices) == 1:
+            with torch.inference_mode(False):  # writable outside inference mode too
+                self._buffer = torch.empty(numel, dtype=dtypes.pop(), device=devices.pop())
 
     def __call__(self) -> torch.Tensor:
         """``1`` (int64, on ``device``) if any floating-point state tensor holds a NaN or an

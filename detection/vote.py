@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ __all__ = [
     "all_gather_table",
     "majority_vote",
     "model_state_tensors",
+    "optimizer_state_slots",
     "optimizer_state_tensors",
     "persistent_buffers",
     "to_fingerprint",
@@ -156,14 +158,12 @@ def all_gather_rows(row: torch.Tensor, group: dist.ProcessGroup | None = None) -
     return rows
 
 
-def optimizer_state_tensors(
+def optimizer_state_slots(
     optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """The optimizer state the replicas vote on: every state tensor of rank ≥ 1 (Adam's moments),
-    in parameter order and sorted key order. Scalar step counters are left out: they would
-    double the number of tensors to reduce for no information (a wrong counter shows in the
-    weights at the next update)."""
-    out: list[torch.Tensor] = []
+) -> list[tuple[dict[Any, Any], Any, torch.Tensor]]:
+    """Where each voted state tensor lives: ``(the parameter's state dict, key, tensor)``, in
+    the order of :func:`optimizer_state_tensors` (what a cache of them checks itself against)."""
+    out: list[tuple[dict[Any, Any], Any, torch.Tensor]] = []
     for p in params:
         state = optimizer.state.get(p)
         if not state:
@@ -171,8 +171,18 @@ def optimizer_state_tensors(
         for key in sorted(state, key=str):
             value = state[key]
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                out.append(value)
+                out.append((state, key, value))
     return out
+
+
+def optimizer_state_tensors(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The optimizer state the replicas vote on: every state tensor of rank ≥ 1 (Adam's moments),
+    in parameter order and sorted key order. Scalar step counters are left out: they would
+    double the number of tensors to reduce for no information (a wrong counter shows in the
+    weights at the next update)."""
+    return [t for _, _, t in optimizer_state_slots(optimizer, params)]
 
 
 class LoadVerificationError(RuntimeError):

@@ -373,6 +373,22 @@ def test_a_plan_equals_the_one_shot_fingerprint_and_follows_the_live_tensors() -
     assert torch.equal(fp.FingerprintPlan([])(), torch.zeros(2, dtype=torch.int64))
 
 
+def test_a_plan_first_taken_under_inference_mode_works_outside_it() -> None:
+    """A plan keeps one int64 buffer between calls; built under ``torch.inference_mode()`` (a
+    user's evaluation pass) it must still take the fingerprint outside it, where an inference
+    tensor would refuse the in-place update."""
+    fp.set_kernel(Kernel.EAGER)
+    norm = torch.nn.BatchNorm1d(4)
+    tensors = [norm.running_mean, norm.running_var, norm.num_batches_tracked]
+    plan = fp.FingerprintPlan(tensors, start=10)
+    with torch.inference_mode():
+        inside = plan()
+    assert torch.equal(inside, fingerprint_on_device(tensors, start=10))
+    norm(torch.randn(8, 4))  # a training forward moves the statistics
+    assert torch.equal(plan(), fingerprint_on_device(tensors, start=10))
+    assert not torch.equal(plan(), inside)
+
+
 @pytest.mark.parametrize("start", [1_000, 25_557_032], ids=["in-table", "beyond-table"])
 def test_a_small_plan_under_the_fused_kernel_takes_the_table_and_compiles_nothing(
     start: int,
