@@ -16,15 +16,19 @@ element, or in a Linear or Embedding output, moves a checksum by that element.
 
 In floating point they hold up to rounding, which scales with the magnitudes involved, so the
 tolerance is magnitude-scaled: a Linear row's residual is divided by ``u · √K · m`` with
-``m = ‖x_row‖₂ · ‖|W|.sum(0)‖₂ + |b|.sum()`` — by Cauchy-Schwarz an upper bound of
-``|x| @ |W|.sum(0) + |b|.sum()``, the sum of the products' magnitudes, taken from one norm pass
-instead of an ``|x|`` temporary — (``u`` the unit roundoff of the output's dtype: bf16 under
-autocast) and compared with ``τ``; the gradient residual likewise by ``u · √M`` times
-``‖x‖_F · √N · ‖(‖dy_row‖₂)‖₂`` (a bound of every ``|x|.T @ |dy|.sum(-1)``) over the ``M`` rows;
-the other layers by the sum of their terms' magnitudes. ``τ`` is calibrated per layer on the
-first clean steps: ``τ = max(margin · max clean ratio, τ_min)``. Clean ratios stay far below 1;
-a flipped exponent bit of one element moves the residual by that element — a bit that goes
-1 → 0 as well as 0 → 1, which is what no norm test can see.
+``m = ‖x_row‖₂ · √N · ‖W‖_F + |b|.sum()`` — by Cauchy-Schwarz, per column
+(``Σ_n |W_nk| ≤ √N · ‖W_:k‖₂``) and then over the row, an upper bound of
+``|x| @ |W|.sum(0) + |b|.sum()``, the sum of the products' magnitudes, taken from norm passes
+instead of ``|x|`` and ``|W|`` temporaries (a quarter looser for a dense ``W``) — (``u`` the
+unit roundoff of the output's dtype: bf16 under autocast) and compared with ``τ``; the gradient
+residual likewise by ``u · √M`` times ``‖x‖_F · √N · ‖dy‖_F`` (a bound of every
+``|x|.T @ |dy|.sum(-1)``, from one whole-tensor norm of ``dy``) over the ``M`` rows, the bias
+residual by ``u · √M · √(N·M) · ‖dy‖_F ≥ u · √M · ‖dy‖₁``; the other layers by the sum of their
+terms' magnitudes. The expectations themselves are computed in float32 even inside the loop's
+autocast. ``τ`` is calibrated per layer on the first clean steps:
+``τ = max(margin · max clean ratio, τ_min)``. Clean ratios stay far below 1; a flipped exponent
+bit of one element moves the residual by that element — a bit that goes 1 → 0 as well as
+0 → 1, which is what no norm test can see.
 
 The checks read the actual output (after every forward hook that ran before, as corrupt
 hardware would have produced it) and the actual local gradient in the comm hook, before
@@ -48,6 +52,8 @@ from detection.abft_layers import TINY, Expectation, LayerCheck, make_checks
 
 __all__ = ["LinearChecksums"]
 
+_KEPT_LAYOUTS = 64  # distinct note and bucket layouts kept on the device
+
 
 class LinearChecksums:
     """The forward and gradient checksums of every checkable layer of ``module`` (``nn.Linear``,
@@ -64,6 +70,13 @@ class LinearChecksums:
         self.layers: list[LayerCheck] = make_checks(module, self)
         n = len(self.layers)
         self._ratio = torch.zeros(max(n, 1), 2, dtype=torch.float64, device=self.device)
+        # Ratios noted this step, folded into ``_ratio`` in one scatter when read: a note is a
+        # list append, not four launches. The cells (``index * 2 + column``) are kept as a
+        # device tensor per distinct sequence: after the first step nothing is copied to the
+        # device (a host-to-device copy of a new tensor would synchronise on CUDA).
+        self._notes: list[torch.Tensor] = []
+        self._cells: list[int] = []
+        self._cell_index: dict[tuple[int, ...], torch.Tensor] = {}
         self._by_param: dict[int, tuple[LayerCheck, bool]] = {}
         for layer in self.layers:
             for param, is_weight in layer.checked_parameters():
@@ -85,6 +98,8 @@ class LinearChecksums:
 
     def open(self) -> None:
         self._ratio.zero_()
+        self._notes.clear()
+        self._cells.clear()
         for layer in self.layers:
             layer.begin()
         self._open = True
@@ -93,12 +108,31 @@ class LinearChecksums:
         self._open = False
 
     def ratios(self) -> torch.Tensor:
+        """Per layer ``[forward ratio, gradient ratio]``: the largest noted this step (float64,
+        on the device; NaN — a non-finite output or gradient — counts as ``inf``)."""
+        if self._notes:
+            cells = tuple(self._cells)
+            index = self._cell_index.get(cells)
+            if index is None:
+                index = self._keep(cells)
+            values = torch.cat(self._notes).to(torch.float64).nan_to_num_(nan=math.inf)
+            self._ratio.view(-1).scatter_reduce_(0, index, values, reduce="amax")
+            self._notes.clear()
+            self._cells.clear()
         return self._ratio[: len(self.layers)].reshape(-1)
 
     def on_local_gradient(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """(parameter, local gradient) pairs of one bucket, before all-reduce."""
+        """(parameter, local gradient) pairs of one bucket, before all-reduce. Every checked
+        parameter's reduction is compared with its expectation in one pass over the bucket's
+        concatenation: ``max |got - expected| / tolerance`` per parameter (the tolerance one
+        number or one per element), a segment maximum instead of a handful of launches each."""
         if not self._open:
             return
+        got: list[torch.Tensor] = []
+        want: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+        lengths: list[int] = []
+        layers: list[int] = []
         with torch.no_grad():
             for p, g in pairs:
                 entry = self._by_param.get(id(p))
@@ -108,12 +142,40 @@ class LinearChecksums:
                 expected: Expectation | None = layer.expected(is_weight)
                 if expected is None:
                     continue
-                got = layer.reduce(g.detach().float(), is_weight)
-                ratio = ((got - expected.value).abs() / (expected.scale() + TINY)).amax()
-                self.note(layer.index, 1, ratio)
+                value = layer.reduce(g.detach().float(), is_weight).reshape(-1)
+                if value.numel() == 0:
+                    continue
+                scale = expected.scale().reshape(-1)
+                got.append(value)
+                want.append(expected.value.reshape(-1))
+                scales.append(scale.expand(value.numel()) if scale.numel() == 1 else scale)
+                lengths.append(value.numel())
+                layers.append(layer.index)
+            if not got:
+                return
+            if len(got) == 1:
+                ratio = (got[0] - want[0]).abs_().div_(scales[0] + TINY)
+                self._notes.append(ratio.amax().reshape(1))
+            else:
+                ratio = (torch.cat(got) - torch.cat(want)).abs_().div_(torch.cat(scales) + TINY)
+                lengths_kept = self._lengths(lengths)
+                self._notes.append(torch.segment_reduce(ratio, "max", lengths=lengths_kept))
+            self._cells.extend(index * 2 + 1 for index in layers)
+
+    def _lengths(self, lengths: list[int]) -> torch.Tensor:
+        """The segment lengths of one bucket's comparison, kept on the device per layout."""
+        key = (-1, *lengths)  # negative first: apart from the note cells' keys
+        kept = self._cell_index.get(key)
+        return kept[1:] if kept is not None else self._keep(key)[1:]
+
+    def _keep(self, key: tuple[int, ...]) -> torch.Tensor:
+        if len(self._cell_index) >= _KEPT_LAYOUTS:  # a loop whose calls vary without end
+            self._cell_index.clear()
+        kept = torch.tensor(key, dtype=torch.int64).to(self.device)
+        self._cell_index[key] = kept
+        return kept
 
     def note(self, index: int, column: int, ratio: torch.Tensor) -> None:
-        cell = self._ratio[index, column]
-        # NaN (a non-finite output) counts as the largest ratio there is.
-        value = torch.nan_to_num(ratio.to(torch.float64), nan=math.inf)
-        cell.copy_(torch.maximum(cell, value))
+        """Layer ``index``'s ratio for ``column`` (0: forward, 1: gradient), a 0-dim tensor."""
+        self._notes.append(ratio.reshape(1))
+        self._cells.append(index * 2 + column)

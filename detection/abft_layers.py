@@ -28,6 +28,7 @@ the recomputed ``x̂`` (``|Δx̂| ≲ u``). A layer kind not listed (or an ``Emb
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -41,6 +42,15 @@ __all__ = ["TINY", "Expectation", "LayerCheck", "make_checks", "unit"]
 
 TINY = 1e-30
 _STOCK_BN_FORWARD = nn.BatchNorm1d.forward  # the _BatchNorm forward, channel at dim 1
+
+
+def _full_precision(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """The checksums' own products in float32 even inside the loop's autocast (whose lists
+    hold ``matmul``, and on CUDA ``addmv`` and ``mv``): an expectation rounded to bf16 would
+    add its own rounding to the residual it is meant to bound."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def unit(dtype: torch.dtype) -> float:
@@ -107,7 +117,7 @@ class LayerCheck:
     def _hook(self, _module: nn.Module, inputs: Any, output: Any) -> None:
         if not self.owner.is_open or not isinstance(output, torch.Tensor):
             return
-        with torch.no_grad():
+        with torch.no_grad(), _full_precision(output.device.type):
             saved = self.forward(inputs, output)
         if not output.requires_grad or self.shared:
             return
@@ -119,7 +129,7 @@ class LayerCheck:
     def _grad_hook(self, saved: Any) -> Callable[[torch.Tensor], None]:
         def hook(dy: torch.Tensor) -> None:
             if self.owner.is_open:
-                with torch.no_grad():
+                with torch.no_grad(), _full_precision(dy.device.type):
                     self.backward(saved, dy.detach())
 
         return hook
@@ -159,28 +169,43 @@ class LinearCheck(LayerCheck):
 
     def begin(self) -> None:
         super().begin()
-        self._cols: tuple[torch.Tensor, torch.Tensor] | None = None  # W.sum(0), |W|.sum(0)
+        # once per step (the weights change only at the update): W.sum(0), the bound
+        # √N·‖W‖_F of ‖|W|.sum(0)‖₂, b.sum() and |b|.sum()
+        self._cols: tuple[torch.Tensor, torch.Tensor, torch.Tensor | float, Any] | None = None
+
+    def _weight_sums(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float, Any]:
+        if self._cols is None:
+            module = self.module
+            assert isinstance(module, nn.Linear)
+            w = module.weight.detach().float()
+            # Σ_n |W_nk| ≤ √N·‖W_:k‖₂ (Cauchy-Schwarz), so ‖|W|.sum(0)‖₂ ≤ √N·‖W‖_F: one
+            # contiguous norm instead of an |W| temporary and a column sum (a quarter looser
+            # for a dense W, whose τ calibration absorbs it).
+            bound = torch.linalg.vector_norm(w) * math.sqrt(w.shape[0])
+            bias = module.bias
+            if bias is None:
+                self._cols = (w.sum(0), bound, 0.0, 0.0)
+            else:
+                b = bias.detach().float()
+                self._cols = (w.sum(0), bound, b.sum(), b.abs().sum())
+        return self._cols
 
     def forward(self, inputs: Any, output: torch.Tensor) -> Any:
         x = inputs[0]
         k = x.shape[-1]
         x2 = x.detach().reshape(-1, k)
-        module = self.module
-        assert isinstance(module, nn.Linear)
-        if self._cols is None:
-            w = module.weight.detach().float()
-            self._cols = (w.sum(0), w.abs().sum(0))
-        col, col_abs = self._cols
+        col, col_bound, b_sum, b_abs = self._weight_sums()
         xf = x2.float()
         y2 = output.detach().reshape(-1, output.shape[-1]).float()
-        bias = module.bias
-        b_sum = bias.detach().float().sum() if bias is not None else 0.0
-        b_abs = bias.detach().float().abs().sum() if bias is not None else 0.0
-        residual = (y2.sum(-1) - (xf @ col + b_sum)).abs()
+        # y.sum(-1) - x @ W.sum(0) in one matrix-vector call (not on autocast's list: float32)
+        residual = torch.addmv(y2.sum(-1), xf, col, alpha=-1.0)
+        if isinstance(b_sum, torch.Tensor):
+            residual = residual.sub_(b_sum)
         row_norms = torch.linalg.vector_norm(xf, dim=-1)
-        magnitude = row_norms * torch.linalg.vector_norm(col_abs)
-        scale = (magnitude + b_abs) * (unit(output.dtype) * math.sqrt(k)) + TINY
-        self.note_forward((residual / scale).amax())
+        c = unit(output.dtype) * math.sqrt(k)
+        # per row (‖x_row‖₂·√N‖W‖_F + |b|.sum())·u·√K: a bound of the products' magnitudes
+        scale = (row_norms * (col_bound * c)).add_(b_abs * c + TINY)
+        self.note_forward(residual.abs_().div_(scale).amax())
         # ‖x‖_F = ‖(‖x_i‖₂)_i‖₂: the backward's bound from the row norms, not a second read of x
         return x2, torch.linalg.vector_norm(row_norms)
 
@@ -188,13 +213,16 @@ class LinearCheck(LayerCheck):
         x2, x_frobenius = saved
         xf = x2.float()
         d2 = dy.reshape(-1, dy.shape[-1]).float()
+        rows, n = d2.shape
         r = d2.sum(-1)
-        ra = torch.linalg.vector_norm(d2, dim=-1) * math.sqrt(d2.shape[-1])  # ≥ |dy_row|₁
-        # ‖x‖_F bounds every column norm; a per-column norm is a strided reduction, 50x
-        # slower on CPU than the whole-tensor norm.
-        mag_w = x_frobenius * torch.linalg.vector_norm(ra)
-        self.expect(True, xf.T @ r, mag_w, d2.shape[0], dy.dtype)
-        self.expect(False, r.sum(), ra.sum(), d2.shape[0], dy.dtype)
+        # One whole-tensor norm bounds both: ‖x‖_F·√N·‖dy‖_F ≥ every |x|.T @ |dy|.sum(-1)
+        # (‖dy_row‖₁ ≤ √N·‖dy_row‖₂, then Cauchy-Schwarz over the rows), and
+        # √(N·M)·‖dy‖_F ≥ ‖dy‖₁ for the bias. A dot product of the contiguous gradient with
+        # itself is the one-pass sum of squares (``vector_norm`` takes twice as long on CPU).
+        flat = d2.reshape(-1)
+        dy_norm = torch.dot(flat, flat).sqrt_() if flat.is_contiguous() else flat.norm()
+        self.expect(True, torch.mv(xf.t(), r), x_frobenius * dy_norm * math.sqrt(n), rows, dy.dtype)
+        self.expect(False, r.sum(), dy_norm * math.sqrt(n * rows), rows, dy.dtype)
 
     def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
         return gradient.sum(0) if is_weight else gradient.sum()
@@ -205,7 +233,7 @@ class EmbeddingCheck(LayerCheck):
 
     def begin(self) -> None:
         super().begin()
-        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # W.sum(1), |W|.sum(1)
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # W.sum(1), √d·‖W_v‖₂
 
     def forward(self, inputs: Any, output: torch.Tensor) -> Any:
         index = inputs[0].reshape(-1)
@@ -214,7 +242,8 @@ class EmbeddingCheck(LayerCheck):
         assert isinstance(module, nn.Embedding)
         if self._rows is None:
             w = module.weight.detach().float()
-            self._rows = (w.sum(1), w.abs().sum(1))
+            # Σ_d |W_vd| ≤ √d·‖W_v‖₂: a row norm, no |W| temporary (once per step)
+            self._rows = (w.sum(1), torch.linalg.vector_norm(w, dim=1) * math.sqrt(d))
         rows, rows_abs = self._rows
         y2 = output.detach().reshape(-1, d).float()
         residual = (y2.sum(-1) - rows[index]).abs()

@@ -412,7 +412,7 @@ class StepChecks:
                 "module": self.abft.names[layer],
                 "statistic": value if math.isfinite(value) else "inf",
                 "threshold": tau[i],
-                "tolerance": "tau * u * sqrt(K) * (|x| @ colsum|W| + sum|b|)",
+                "tolerance": "tau * u * sqrt(K) * (|x| @ colsum|W| + sum|b|), bounded from norms",
                 "evidence": "algebraic, on the suspect rank's own computation",
             },
         )

@@ -228,6 +228,71 @@ def test_linear_checksums_see_a_flipped_output_and_a_flipped_weight_gradient() -
     assert fwd0 < 1.0
 
 
+def test_one_bucket_compared_in_one_pass_gives_each_layer_its_own_worst_ratio() -> None:
+    """The bucket's parameters (a weight with one tolerance, a LayerNorm's with one per
+    channel) are compared in one concatenated pass: each layer gets the largest ratio of its
+    own parameters, exactly as compared one by one, and a NaN gradient counts as ``inf``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.LayerNorm(24), nn.Linear(24, 8))
+    abft = LinearChecksums(model, list(model.parameters()))
+
+    def one_by_one() -> list[float]:
+        worst = [0.0] * len(abft.layers)
+        for p, g in _grad_pairs(model):
+            layer, is_weight = abft._by_param[id(p)]
+            expected = layer.expected(is_weight)
+            assert expected is not None
+            got = layer.reduce(g.float(), is_weight).reshape(-1)
+            ratio = ((got - expected.value.reshape(-1)).abs() / (expected.scale() + 1e-30)).amax()
+            value = math.inf if math.isnan(ratio.item()) else ratio.item()
+            worst[layer.index] = max(worst[layer.index], value)
+        return worst
+
+    for poison in (False, True):
+        abft.open()
+        model.zero_grad(set_to_none=True)
+        model(torch.randn(32, 16)).pow(2).mean().backward()
+        grad = model[1].weight.grad
+        assert grad is not None
+        flip_bit_(grad.view(-1), 5, 27)  # one channel of the LayerNorm weight
+        if poison:
+            last = model[2].bias.grad
+            assert last is not None
+            last[3] = math.nan
+        reference = one_by_one()
+        abft.on_local_gradient(_grad_pairs(model))  # one bucket: all six parameters
+        abft.close()
+        gradient = abft.ratios().view(-1, 2)[:, 1].tolist()
+        assert gradient == pytest.approx(reference, rel=1e-6), (poison, gradient, reference)
+        assert gradient[1] > 100.0
+        assert gradient[0] < 1.0
+        assert (gradient[2] == math.inf) is poison
+
+
+def test_the_ratios_of_a_step_are_the_largest_of_its_forward_calls() -> None:
+    """A layer called twice in a step (two micro-batches) keeps the worse call's ratio, and the
+    next step starts from nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+    flip = [True]
+    # registered before the checksums' hooks, as the guard binds its fault injector first
+    model[2].register_forward_hook(lambda _m, _i, out: _flipped(out, 5, 30) if flip[0] else out)
+    abft = LinearChecksums(model, list(model.parameters()))
+    clean = torch.randn(64, 64)
+    abft.open()
+    model(clean)
+    flip[0] = False
+    model(clean)  # clean call after the flipped one: the flipped call's ratio stays
+    abft.close()
+    (fwd0, _), (fwd1, _) = abft.ratios().view(2, 2).tolist()
+    assert fwd1 > 100.0
+    assert fwd0 < 1.0
+    abft.open()
+    model(clean)
+    abft.close()
+    assert max(abft.ratios().view(2, 2)[:, 0].tolist()) < 1.0
+
+
 def _flipped(out: torch.Tensor, index: int, bit: int) -> torch.Tensor:
     clone = out.clone()
     flip_bit_(clone, index, bit)
