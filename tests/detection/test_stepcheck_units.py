@@ -269,6 +269,29 @@ def test_one_bucket_compared_in_one_pass_gives_each_layer_its_own_worst_ratio() 
         assert (gradient[2] == math.inf) is poison
 
 
+def test_under_autocast_the_forward_expectation_is_taken_in_float32() -> None:
+    """Inside the loop's bf16 autocast the expectation ``x @ W.sum(0) + b.sum()`` is still
+    computed in float32 (autocast would run a ``matmul`` in bf16 and add its own rounding to the
+    residual it bounds): the noted ratio equals a float64 reference of the same formula."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32)
+    abft = LinearChecksums(model, list(model.parameters()))
+    x = torch.randn(256, 64)
+    abft.open()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        y = model(x)
+    abft.close()
+    noted = abft.ratios()[0].item()
+    w, b = model.weight.detach().double(), model.bias.detach().double()
+    xd = x.double()
+    residual = (y.double().sum(-1) - (xd @ w.sum(0) + b.sum())).abs()
+    u = float(torch.finfo(torch.bfloat16).eps) / 2.0
+    scale = (xd.norm(dim=-1) * (w.norm() * math.sqrt(32)) + b.abs().sum()) * u * math.sqrt(64)
+    reference = (residual / scale).max().item()
+    assert 0.0 < reference < 1.0
+    assert noted == pytest.approx(reference, rel=1e-3)
+
+
 def test_the_ratios_of_a_step_are_the_largest_of_its_forward_calls() -> None:
     """A layer called twice in a step (two micro-batches) keeps the worse call's ratio, and the
     next step starts from nothing."""
