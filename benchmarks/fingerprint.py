@@ -1,12 +1,17 @@
 """Weight fingerprint speed next to ``torch.sum`` over the same float32 parameters.
 
 Run: ``.venv/bin/python benchmarks/fingerprint.py`` (about a minute on two cores, most of it
-compiling). For 10M and 100M elements, held as a list of parameter-sized tensors like a
-transformer's, it measures side by side in one process, interleaved repeat by repeat:
+compiling). For 2.7M (the overhead benchmark's model), 10M and 100M elements, held as a list
+of parameter-sized tensors like a transformer's, it measures side by side in one process,
+interleaved repeat by repeat:
 
 * ``torch.sum``: one ``torch.sum`` per tensor, stacked and summed: the bandwidth reference;
 * ``fused``: :func:`detection.fingerprint.fingerprint_on_device` with the fused kernel;
 * ``eager``: the same with the eager kernel (the fallback without a compiler);
+* ``plan``: the per-step :class:`~detection.fingerprint.FingerprintPlan` a guard keeps for its
+  weights, under ``fused``: up to 4M elements on CPU it compiles a pass that reads each word's
+  multiplier from a table it holds (one 64-bit multiplication a word instead of three); above
+  that it is ``fused``;
 * ``naive``: the reference formula, every tensor widened to int64 at once.
 
 It prints medians, the ratio fused / torch.sum against the 1.5 target (and the ratio of the
@@ -80,6 +85,17 @@ def with_kernel(kernel: fp.Kernel) -> Callable[[list[torch.Tensor]], torch.Tenso
     return run
 
 
+def with_plan(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    fp.set_kernel(fp.Kernel.FUSED)
+    plan = fp.FingerprintPlan(tensors)
+
+    def run(_: list[torch.Tensor]) -> torch.Tensor:
+        fp.set_kernel(fp.Kernel.FUSED)
+        return plan()
+
+    return run
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -93,7 +109,7 @@ def cpu_name() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10000000,100000000")
+    parser.add_argument("--sizes", default="2700000,10000000,100000000")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--naive-repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads (0: default)")
@@ -114,12 +130,14 @@ def main() -> int:
             "sum": sum_all,
             "fused": with_kernel(fp.Kernel.FUSED),
             "eager": with_kernel(fp.Kernel.EAGER),
+            "plan": with_plan(params),
             "naive": naive,
         }
         start = time.perf_counter()
         results = {name: fn(params) for name, fn in methods.items()}
         compile_s = time.perf_counter() - start
-        prints = {n: fp.fingerprint_from_tensor(results[n]) for n in ("fused", "eager", "naive")}
+        checked = ("fused", "eager", "plan", "naive")
+        prints = {n: fp.fingerprint_from_tensor(results[n]) for n in checked}
         if len(set(prints.values())) != 1:
             raise SystemExit(f"fingerprints disagree at {total}: {prints}")
         times: dict[str, list[float]] = {name: [] for name in methods}
@@ -138,7 +156,7 @@ def main() -> int:
 
     header = (
         f"{'elements':>11} {'tensors':>7} {'torch.sum ms':>12} {'fused ms':>9} "
-        f"{'ratio':>6} {'target':>6} {'best':>5} {'eager ms':>9} {'naive ms':>9} "
+        f"{'ratio':>6} {'target':>6} {'best':>5} {'eager ms':>9} {'plan ms':>8} {'naive ms':>9} "
         f"{'first call s':>12}"
     )
     print(header)
@@ -147,7 +165,7 @@ def main() -> int:
         ratio = med["fused"] / med["sum"]
         print(
             f"{total:>11,} {count:>7} {med['sum']:>12.2f} {med['fused']:>9.2f} "
-            f"{ratio:>6.2f} {TARGET:>6.1f} {best:>5.2f} {med['eager']:>9.2f} "
+            f"{ratio:>6.2f} {TARGET:>6.1f} {best:>5.2f} {med['eager']:>9.2f} {med['plan']:>8.2f} "
             f"{med['naive']:>9.2f} {compile_s:>12.1f}"
         )
     print(

@@ -80,6 +80,13 @@ element), except by ``eager`` on small lists, which reads them from a cached tab
   (no C++ compiler in the image, say) it logs a warning and runs that layout on ``eager``;
   under ``fused`` the failure raises :class:`FusedKernelUnavailable`.
 
+On a CPU whose vector unit has no 64-bit multiply (AVX2, NEON: see
+:func:`cpu_compile_options`) the compiled kernels are scalar code, which runs them about twice
+as fast as Inductor's emulated vector lanes. The per-step :class:`FingerprintPlan` (a guard's
+weights, buffers) goes further on CPU: for a list ``fused`` would take it compiles one pass per
+tensor that reads each word's multiplier from a table it holds (one multiplication a word
+instead of three, 8 bytes an element; :mod:`detection.fingerprint_plan`).
+
 Neither kernel reads a value back to the host: ``fingerprint_on_device`` returns a device
 tensor, so the vote can all-gather it without a synchronisation. All device-side sums and
 products wrap two's-complement at 64 bits, which is what torch's int64 arithmetic does on every
@@ -222,12 +229,26 @@ class _FusedState:
         threads = torch.get_num_threads() if device_type == "cpu" else 0
         fn = self._compiled.get((device_type, threads))
         if fn is None:
-            options: dict[str, str | int | bool | Callable[..., Any]] = (
-                {"cpp_wrapper": True} if device_type == "cpu" else {}
-            )
+            options = cpu_compile_options() if device_type == "cpu" else {}
             fn = torch.compile(_fused_list, fullgraph=True, dynamic=False, options=options)
             self._compiled[(device_type, threads)] = fn
         return fn
+
+
+# CPU capabilities whose vector units multiply 64-bit lanes (AVX-512DQ's vpmullq, SVE). Elsewhere
+# (AVX2, NEON) Inductor emulates each lane's product and its vectorised loop is about twice as
+# slow as the scalar one (2.7M float32 words on one AVX2 core: 9.9 against 5.3 ms).
+_INT64_VECTOR_CAPABILITIES = frozenset({"AVX512", "SVE", "SVE128", "SVE256", "SVE512"})
+
+
+def cpu_compile_options() -> dict[str, str | int | bool | Callable[..., Any]]:
+    """``torch.compile`` options for the integer kernels on CPU: a C++ wrapper, and scalar code
+    where the vector unit has no 64-bit multiply. Per compiled function: the user's own
+    compiled model keeps Inductor's defaults."""
+    options: dict[str, str | int | bool | Callable[..., Any]] = {"cpp_wrapper": True}
+    if torch.backends.cpu.get_cpu_capability() not in _INT64_VECTOR_CAPABILITIES:
+        options["cpp.simdlen"] = 1  # no ISA is 1 bit wide: Inductor emits scalar loops
+    return options
 
 
 def set_kernel(kernel: Kernel | str) -> None:
@@ -560,108 +581,6 @@ def fingerprint_on_device(
         return _eager(ts, where)
 
 
-class FingerprintPlan:
-    """The fingerprint of one fixed list of tensors (a model's parameters, its buffers), taken
-    every step: what :func:`fingerprint_on_device` would return, for a fraction of its fixed
-    cost on small lists.
-
-    The word views, their groups by element size and the multiplier slices are built once and
-    reused; each call checks that every tensor still has the same storage address, shape,
-    stride and dtype (a parameter whose ``.data`` was replaced, an optimizer state created
-    later) and rebuilds when one changed, so the result is always that of the live tensors.
-    Lists the fused kernel takes (see ``auto``; under ``fused`` all but the smallest, up to
-    ``_PLAN_EAGER_MAX`` elements) go to :func:`fingerprint_on_device` unchanged; every other
-    list, wherever its positions lie, reads multipliers the plan holds (8 bytes an element).
-    """
-
-    def __init__(self, tensors: Iterable[torch.Tensor], *, start: int = 0) -> None:
-        self.tensors = list(tensors)
-        self._start = start
-        self._key: list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]] | None = None
-        # Per element size: the word views and where their int64 copies go in ``_words``.
-        self._groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
-        self._words: torch.Tensor | None = None  # every word widened to int64, reused
-        self._mult: torch.Tensor | None = None  # their multipliers, in the same order
-        self._mask: int | torch.Tensor | None = None  # zero-extension of narrow words
-        self._device: torch.device | None = None
-
-    def _signature(self) -> list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]:
-        return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
-
-    def _build(self, key: list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]) -> None:
-        ts = _prepare(self.tensors)
-        self._key, self._groups, self._words = key, [], None
-        self._device = ts[0].device if ts else None
-        where = _offsets(ts, None, self._start)
-        stop = max((o + t.numel() for t, o in zip(ts, where, strict=True)), default=0)
-        contiguous = all(t.is_contiguous() for t in ts)  # else the view would be a copy
-        numel = sum(t.numel() for t in ts)
-        fused = _STATE.kernel is Kernel.FUSED or (
-            _STATE.kernel is Kernel.AUTO and numel >= _FUSED_MIN_ELEMENTS
-        )
-        if not ts or not contiguous or numel > _TABLE_MAX or (fused and numel > _PLAN_EAGER_MAX):
-            return
-        device = ts[0].device
-        # The plan's own multipliers: slices of the shared table where its positions lie in it;
-        # beyond it (a model's buffers, numbered after millions of parameters) computed once for
-        # these positions, 8 bytes an element, so any small list takes the few-op path.
-        table = _TABLE.get(device, stop) if stop <= _TABLE_MAX else None
-        groups: dict[int, list[tuple[torch.Tensor, int]]] = {}
-        for t, o in zip(ts, where, strict=True):
-            if t.numel():
-                groups.setdefault(t.element_size(), []).append((_flat_words(t), o))
-        if not groups:
-            return
-        # A normal tensor even when first called under inference mode, so that later calls
-        # outside it may write into it (an inference tensor refuses in-place updates there).
-        with torch.inference_mode(False):
-            words = torch.empty(numel, dtype=torch.int64, device=device)
-        mults: list[torch.Tensor] = []
-        masks: list[tuple[int, int]] = []
-        at = 0
-        for size, members in groups.items():
-            n = sum(w.numel() for w, _ in members)
-            self._groups.append(([w for w, _ in members], words[at : at + n]))
-            at += n
-            mults.extend(
-                table[o : o + w.numel()]
-                if table is not None
-                else multipliers(torch.arange(o, o + w.numel(), device=device))
-                for w, o in members
-            )
-            masks.append((n, _WORD_MASK.get(size, -1)))
-        self._words, self._mult = words, torch.cat(mults)
-        # One zero-extension for every narrow word: a scalar when all words share a width,
-        # else a per-word mask (all ones over 8-byte words).
-        widths = {m for _, m in masks}
-        if widths == {-1}:
-            self._mask = None
-        elif len(widths) == 1:
-            self._mask = widths.pop()
-        else:
-            self._mask = torch.cat(
-                [torch.full((n,), m, dtype=torch.int64, device=device) for n, m in masks]
-            )
-
-    def __call__(self) -> torch.Tensor:
-        """Per element size one ``cat`` of the word views and one widening copy into a reused
-        int64 buffer, then one mask and two reductions over all of them: a fixed handful of
-        ops whatever the number of tensors and element sizes."""
-        key = self._signature()
-        if key != self._key:
-            self._build(key)
-        if self._device is None:
-            return torch.zeros(2, dtype=torch.int64)
-        words, mult = self._words, self._mult
-        if words is None or mult is None:
-            return fingerprint_on_device(self.tensors, start=self._start)
-        for views, into in self._groups:
-            into.copy_(views[0] if len(views) == 1 else torch.cat(views))
-        if self._mask is not None:
-            words.bitwise_and_(self._mask)
-        return torch.stack([words.sum(), _dot(words, mult)])
-
-
 def weight_fingerprint(tensors: Iterable[torch.Tensor]) -> Fingerprint:
     """The fingerprint of ``tensors`` as host integers (one synchronisation)."""
     return fingerprint_from_tensor(fingerprint_on_device(tensors))
@@ -677,3 +596,6 @@ def fingerprint_from_tensor(t: torch.Tensor) -> Fingerprint:
 
 _STATE = _FusedState()
 _TABLE = _Table()
+
+# The per-step plan lives in its own module and is part of this one's public names.
+from detection.fingerprint_plan import FingerprintPlan  # noqa: E402

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from detection import fingerprint as fp
+from detection import fingerprint_plan as fp_plan
 from detection.fingerprint import (
     Fingerprint,
     FingerprintError,
@@ -379,7 +380,10 @@ def test_a_plan_first_taken_under_inference_mode_works_outside_it() -> None:
     tensor would refuse the in-place update."""
     fp.set_kernel(Kernel.EAGER)
     norm = torch.nn.BatchNorm1d(4)
-    tensors = [norm.running_mean, norm.running_var, norm.num_batches_tracked]
+    tensors = [
+        b for b in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if b is not None
+    ]
+    assert len(tensors) == 3
     plan = fp.FingerprintPlan(tensors, start=10)
     with torch.inference_mode():
         inside = plan()
@@ -412,3 +416,87 @@ def test_a_small_plan_under_the_fused_kernel_takes_the_table_and_compiles_nothin
     assert fp._STATE.layouts == layouts  # no layout was compiled for it
     tensors[0][3] += 1.0
     assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+
+
+def test_a_large_cpu_plan_under_the_fused_kernel_takes_the_compiled_table() -> None:
+    """A list the fused kernel would take, on CPU: the plan compiles one pass per tensor over
+    the words and the multipliers it holds instead of recomputing splitmix64 per word — the
+    same bits as the definition for every word size, with wrapping sums, placed from an
+    offset, and following in-place updates of the live tensors."""
+    fp.set_kernel(Kernel.FUSED)
+    gen = torch.Generator().manual_seed(27)
+    tensors = [
+        random_bits((fp._PLAN_EAGER_MAX + 17,), torch.float32, gen),  # above the eager table
+        random_bits((9, 11), torch.bfloat16, gen),
+        torch.zeros((), dtype=torch.int64) - 3,  # a negative 8-byte word: read unsigned
+        torch.rand((13,), generator=gen) > 0.5,  # bool: one byte per element
+        random_bits((0,), torch.float32, gen),
+        random_bits((5,), torch.float64, gen),
+    ]
+    start = 123
+    offsets, at = [], start
+    for t in tensors:
+        offsets.append(at)
+        at += t.numel()
+    fused_layouts = set(fp._STATE.layouts)
+    plan = fp.FingerprintPlan(tensors, start=start)
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+    assert plan._ordered is not None  # the compiled table, not a fallback
+    assert plan._layout in fp_plan._KERNELS.layouts
+    assert fp._STATE.layouts == fused_layouts  # and not the fused kernel
+    tensors[0][fp._PLAN_EAGER_MAX] += 1.0
+    tensors[2] += 5
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+    fp.set_kernel(Kernel.EAGER)
+    assert torch.equal(plan(), fingerprint_on_device(tensors, start=start))
+
+
+@pytest.mark.parametrize(("kernel", "raises"), [(Kernel.AUTO, False), (Kernel.FUSED, True)])
+def test_a_compiled_table_that_fails_to_compile_falls_back_or_raises(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    kernel: Kernel,
+    raises: bool,
+) -> None:
+    """A compiler that fails (no C++ toolchain on the host): under ``auto`` the plan logs a
+    warning and takes the eager table with the same result; under ``fused``, where the user
+    asked for the compiled kernel, it raises :class:`FusedKernelUnavailable`."""
+
+    def broken(*args: object, **kwargs: object) -> object:
+        def call(*a: object, **k: object) -> torch.Tensor:
+            raise RuntimeError("no C++ compiler")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(fp_plan, "_KERNELS", fp_plan._TableKernels())
+    gen = torch.Generator().manual_seed(28)
+    big = random_bits((fp._FUSED_MIN_ELEMENTS + 1,), torch.float32, gen)
+    tensors = [big, random_bits((3,), torch.bfloat16, gen)]
+    fp.set_kernel(kernel)
+    plan = fp.FingerprintPlan(tensors)
+    if raises:
+        with pytest.raises(fp.FusedKernelUnavailable, match="no C\\+\\+ compiler"):
+            plan()
+        return
+    with caplog.at_level("WARNING", logger="detection.fingerprint_plan"):
+        got = plan()
+    assert any("torch.compile failed" in r.getMessage() for r in caplog.records)
+    assert plan._ordered is None  # the eager table now
+    assert plan._words is not None
+    fp.set_kernel(Kernel.EAGER)
+    assert torch.equal(got, fingerprint_on_device(tensors))
+    assert fp_plan._KERNELS.failed  # the layout is not tried again
+
+
+@pytest.mark.parametrize(
+    ("capability", "scalar"),
+    [("AVX2", True), ("DEFAULT", True), ("AVX512", False), ("SVE256", False)],
+)
+def test_cpu_kernels_compile_scalar_code_where_vectors_lack_a_64_bit_multiply(
+    monkeypatch: pytest.MonkeyPatch, capability: str, scalar: bool
+) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    options = fp.cpu_compile_options()
+    assert options["cpp_wrapper"] is True
+    assert (options.get("cpp.simdlen") == 1) is scalar

@@ -1,0 +1,269 @@
+"""The fingerprint of one fixed list of tensors, taken every step (:class:`FingerprintPlan`).
+
+The definition and its proofs are :mod:`detection.fingerprint`'s; a plan gives the same bits as
+:func:`~detection.fingerprint.fingerprint_on_device` for the same list, only for less per call.
+It holds the multipliers of its positions (8 bytes an element) and picks, once per layout:
+
+* the **eager table** for small lists (up to ``_PLAN_EAGER_MAX`` elements, or any list the
+  ``eager`` kernel is asked for): one widening copy into a reused int64 buffer, one mask, two
+  reductions — a fixed handful of ops whatever the number of tensors;
+* the **compiled table** on CPU for lists the fused kernel would take, up to ``_TABLE_MAX``
+  elements: ``torch.compile`` of one pass per tensor that reads each word and its multiplier,
+  with no temporaries. Recomputing splitmix64 per word (the fused kernel) costs three 64-bit
+  multiplications a word, which makes that kernel compute-bound on a CPU; reading the
+  multiplier costs one and 8 bytes of bandwidth (2.7M float32 words on one AVX2 core: 2.1 ms
+  against 5.3 ms fused and 0.55 ms for ``torch.sum``; ``benchmarks/fingerprint.py``). If
+  compiling fails it logs a warning and the plan takes the eager table (under ``fused`` it
+  raises :class:`~detection.fingerprint.FusedKernelUnavailable`);
+* :func:`~detection.fingerprint.fingerprint_on_device` otherwise (the fused kernel on a GPU,
+  where the arithmetic is cheap and a table of a large model's positions is not; lists beyond
+  the table; non-contiguous tensors).
+
+Each call checks that every tensor still has the same storage address, shape, stride and dtype
+(a parameter whose ``.data`` was replaced, an optimizer state created later) and rebuilds when
+one changed, so the result is always that of the live tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterable
+
+import torch
+
+from detection.fingerprint import (
+    _FUSED_DTYPES,
+    _FUSED_MIN_ELEMENTS,
+    _MAX_FUSED_LAYOUTS,
+    _PLAN_EAGER_MAX,
+    _STATE,
+    _TABLE,
+    _TABLE_MAX,
+    _WORD_MASK,
+    FusedKernelUnavailable,
+    Kernel,
+    _dot,
+    _flat_words,
+    _layout,
+    _offsets,
+    _prepare,
+    cpu_compile_options,
+    fingerprint_on_device,
+    multipliers,
+)
+
+__all__ = ["FingerprintPlan"]
+
+_log = logging.getLogger(__name__)
+
+_Key = list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]
+_TableFn = Callable[[list[torch.Tensor], torch.Tensor, tuple[int, ...]], torch.Tensor]
+
+
+def _table_list(
+    tensors: list[torch.Tensor], mult: torch.Tensor, starts: tuple[int, ...]
+) -> torch.Tensor:
+    """``(A, B)`` of a list whose multipliers, in the list's order, are ``mult``: tensor ``k``'s
+    words meet ``mult[starts[k]:]``. Traced by ``torch.compile``: one pass per tensor."""
+    a = torch.zeros((), dtype=torch.int64, device=mult.device)
+    b = torch.zeros((), dtype=torch.int64, device=mult.device)
+    for t, at in zip(tensors, starts, strict=True):
+        n = t.numel()
+        if not n:
+            continue
+        words = _flat_words(t)
+        w = words.to(torch.int64)
+        if words.element_size() < 8:
+            w = w & _WORD_MASK[words.element_size()]
+        a = a + w.sum()
+        b = b + (w * mult[at : at + n]).sum()
+    return torch.stack([a, b])
+
+
+class _TableKernels:
+    """The compiled table kernel per CPU thread count (its loops are specialised for it), and
+    the layouts compiled so far: at most ``_MAX_FUSED_LAYOUTS``, under the compiler's limit
+    of graphs per function; later layouts take the eager table."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.layouts: set[tuple[object, ...]] = set()
+        self.failed: set[tuple[object, ...]] = set()
+        self._fns: dict[int, _TableFn] = {}
+
+    def admit(self, layout: tuple[object, ...]) -> bool:
+        with self.lock:
+            if layout in self.layouts:
+                return True
+            if layout in self.failed or len(self.layouts) >= _MAX_FUSED_LAYOUTS:
+                return False
+            self.layouts.add(layout)
+            return True
+
+    def fail(self, layout: tuple[object, ...]) -> None:
+        with self.lock:
+            self.layouts.discard(layout)
+            self.failed.add(layout)
+
+    def fn(self) -> _TableFn:
+        threads = torch.get_num_threads()
+        with self.lock:
+            fn = self._fns.get(threads)
+            if fn is None:
+                fn = torch.compile(
+                    _table_list, fullgraph=True, dynamic=False, options=cpu_compile_options()
+                )
+                self._fns[threads] = fn
+            return fn
+
+
+_KERNELS = _TableKernels()
+
+
+class FingerprintPlan:
+    """What :func:`~detection.fingerprint.fingerprint_on_device` returns for ``tensors``
+    (placed from ``start``), for a fraction of its per-call cost; see the module."""
+
+    def __init__(self, tensors: Iterable[torch.Tensor], *, start: int = 0) -> None:
+        self.tensors = list(tensors)
+        self._start = start
+        self._key: _Key | None = None
+        # Per element size: the word views and where their int64 copies go in ``_words``.
+        self._groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._words: torch.Tensor | None = None  # every word widened to int64, reused
+        self._mult: torch.Tensor | None = None  # their multipliers, in the same order
+        self._mask: int | torch.Tensor | None = None  # zero-extension of narrow words
+        self._device: torch.device | None = None
+        # The compiled table: multipliers in the list's order and each tensor's first one.
+        self._ordered: torch.Tensor | None = None
+        self._starts: tuple[int, ...] = ()
+        self._layout: tuple[object, ...] | None = None
+
+    def _signature(self) -> _Key:
+        return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
+
+    def _build(self, key: _Key) -> None:
+        ts = _prepare(self.tensors)
+        self._key, self._groups, self._words, self._mult = key, [], None, None
+        self._ordered, self._layout = None, None
+        self._device = ts[0].device if ts else None
+        where = _offsets(ts, None, self._start)
+        contiguous = all(t.is_contiguous() for t in ts)  # else the view would be a copy
+        numel = sum(t.numel() for t in ts)
+        kernel = _STATE.kernel
+        fused = kernel is Kernel.FUSED or (kernel is Kernel.AUTO and numel >= _FUSED_MIN_ELEMENTS)
+        if not ts or not contiguous or numel > _TABLE_MAX:
+            return
+        if fused and numel > _PLAN_EAGER_MAX:
+            compiled = (
+                ts[0].device.type == "cpu"
+                and all(t.dtype in _FUSED_DTYPES for t in ts)
+                and _KERNELS.admit(_layout(ts))
+            )
+            if compiled:
+                self._build_compiled(ts, where)
+            return  # else fingerprint_on_device, whose fused kernel a GPU runs well
+        self._build_eager(ts, where)
+
+    def _multipliers(self, ts: list[torch.Tensor], where: list[int]) -> list[torch.Tensor]:
+        """Each tensor's multipliers: slices of the shared table where its positions lie in it;
+        beyond it (a model's buffers, numbered after millions of parameters) computed once for
+        these positions, 8 bytes an element."""
+        device = ts[0].device
+        stop = max(o + t.numel() for t, o in zip(ts, where, strict=True))
+        table = _TABLE.get(device, stop) if stop <= _TABLE_MAX else None
+        return [
+            table[o : o + t.numel()]
+            if table is not None
+            else multipliers(torch.arange(o, o + t.numel(), device=device))
+            for t, o in zip(ts, where, strict=True)
+        ]
+
+    def _build_compiled(self, ts: list[torch.Tensor], where: list[int]) -> None:
+        starts, at = [], 0
+        for t in ts:
+            starts.append(at)
+            at += t.numel()
+        with torch.inference_mode(False):
+            self._ordered = torch.cat(self._multipliers(ts, where))
+        self._starts = tuple(starts)
+        self._layout = _layout(ts)
+
+    def _build_eager(self, ts: list[torch.Tensor], where: list[int]) -> None:
+        device = ts[0].device
+        groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for t, m in zip(ts, self._multipliers(ts, where), strict=True):
+            if t.numel():
+                groups.setdefault(t.element_size(), []).append((_flat_words(t), m))
+        if not groups:
+            return
+        # Normal tensors even when first made under inference mode, so that later calls
+        # outside it may write into them (an inference tensor refuses in-place updates there).
+        with torch.inference_mode(False):
+            words = torch.empty(sum(t.numel() for t in ts), dtype=torch.int64, device=device)
+            mults: list[torch.Tensor] = []
+            masks: list[tuple[int, int]] = []
+            at = 0
+            for size, members in groups.items():
+                n = sum(w.numel() for w, _ in members)
+                self._groups.append(([w for w, _ in members], words[at : at + n]))
+                at += n
+                mults.extend(m for _, m in members)
+                masks.append((n, _WORD_MASK.get(size, -1)))
+            self._words, self._mult = words, torch.cat(mults)
+            # One zero-extension for every narrow word: a scalar when all words share a width,
+            # else a per-word mask (all ones over 8-byte words).
+            widths = {m for _, m in masks}
+            if widths == {-1}:
+                self._mask = None
+            elif len(widths) == 1:
+                self._mask = widths.pop()
+            else:
+                self._mask = torch.cat(
+                    [torch.full((n,), m, dtype=torch.int64, device=device) for n, m in masks]
+                )
+
+    def _compiled(self, ordered: torch.Tensor) -> torch.Tensor | None:
+        """The compiled table's result, or ``None`` once compiling this layout failed under
+        ``auto`` (the plan then keeps the eager table)."""
+        ts = [t.detach() for t in self.tensors]
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "bf16 and fp16 are mixed", UserWarning)
+                with torch.no_grad():
+                    return _KERNELS.fn()(ts, ordered, self._starts)
+        except Exception as err:
+            if self._layout is not None:
+                _KERNELS.fail(self._layout)
+            if _STATE.kernel is Kernel.FUSED:
+                raise FusedKernelUnavailable(f"torch.compile failed: {err}") from err
+            _log.warning(
+                "fingerprint: torch.compile failed for this list; it takes the eager table",
+                exc_info=err,
+                extra={"tensors": len(ts)},
+            )
+            self._ordered = None
+            self._build_eager(_prepare(self.tensors), _offsets(ts, None, self._start))
+            return None
+
+    def __call__(self) -> torch.Tensor:
+        """The fingerprint of the live tensors, as a 2-element int64 device tensor."""
+        key = self._signature()
+        if key != self._key:
+            self._build(key)
+        if self._device is None:
+            return torch.zeros(2, dtype=torch.int64)
+        if self._ordered is not None:
+            out = self._compiled(self._ordered)
+            if out is not None:
+                return out
+        words, mult = self._words, self._mult
+        if words is None or mult is None:
+            return fingerprint_on_device(self.tensors, start=self._start)
+        for views, into in self._groups:
+            into.copy_(views[0] if len(views) == 1 else torch.cat(views))
+        if self._mask is not None:
+            words.bitwise_and_(self._mask)
+        return torch.stack([words.sum(), _dot(words, mult)])
