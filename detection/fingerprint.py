@@ -488,14 +488,19 @@ def _fused(ts: list[torch.Tensor], offsets: Sequence[int]) -> torch.Tensor | Non
         with _STATE.lock:
             _STATE.layouts.discard(layout)
             _STATE.failed.add(layout)
-        if _STATE.kernel is Kernel.FUSED:
-            raise FusedKernelUnavailable(f"torch.compile failed: {err}") from err
-        _log.warning(
-            "fingerprint: torch.compile failed for this layout; it runs the eager kernel",
-            exc_info=err,
-            extra={"tensors": len(ts)},
-        )
+        compile_failed(err, len(ts), "this layout runs the eager kernel")
         return None
+
+
+def compile_failed(err: Exception, tensors: int, fallback: str) -> None:
+    """A compiled kernel could not be built: under ``fused``, which asked for it, raise
+    :class:`FusedKernelUnavailable`; under ``auto`` log a warning (the caller then takes
+    ``fallback``, which gives the same bits)."""
+    if _STATE.kernel is Kernel.FUSED:
+        raise FusedKernelUnavailable(f"torch.compile failed: {err}") from err
+    _log.warning(
+        "fingerprint: torch.compile failed; %s", fallback, exc_info=err, extra={"tensors": tensors}
+    )
 
 
 def _eager_table(ts: list[torch.Tensor], offsets: Sequence[int], stop: int) -> torch.Tensor:

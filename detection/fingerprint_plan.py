@@ -26,7 +26,6 @@ one changed, so the result is always that of the live tensors.
 
 from __future__ import annotations
 
-import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterable
@@ -42,21 +41,19 @@ from detection.fingerprint import (
     _TABLE,
     _TABLE_MAX,
     _WORD_MASK,
-    FusedKernelUnavailable,
     Kernel,
     _dot,
     _flat_words,
     _layout,
     _offsets,
     _prepare,
+    compile_failed,
     cpu_compile_options,
     fingerprint_on_device,
     multipliers,
 )
 
 __all__ = ["FingerprintPlan"]
-
-_log = logging.getLogger(__name__)
 
 _Key = list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]
 _TableFn = Callable[[list[torch.Tensor], torch.Tensor, tuple[int, ...]], torch.Tensor]
@@ -237,13 +234,7 @@ class FingerprintPlan:
         except Exception as err:
             if self._layout is not None:
                 _KERNELS.fail(self._layout)
-            if _STATE.kernel is Kernel.FUSED:
-                raise FusedKernelUnavailable(f"torch.compile failed: {err}") from err
-            _log.warning(
-                "fingerprint: torch.compile failed for this list; it takes the eager table",
-                exc_info=err,
-                extra={"tensors": len(ts)},
-            )
+            compile_failed(err, len(ts), "this list takes the eager table")
             self._ordered = None
             self._build_eager(_prepare(self.tensors), _offsets(ts, None, self._start))
             return None

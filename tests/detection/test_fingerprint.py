@@ -479,7 +479,7 @@ def test_a_compiled_table_that_fails_to_compile_falls_back_or_raises(
         with pytest.raises(fp.FusedKernelUnavailable, match="no C\\+\\+ compiler"):
             plan()
         return
-    with caplog.at_level("WARNING", logger="detection.fingerprint_plan"):
+    with caplog.at_level("WARNING", logger="detection.fingerprint"):
         got = plan()
     assert any("torch.compile failed" in r.getMessage() for r in caplog.records)
     assert plan._ordered is None  # the eager table now
