@@ -22,6 +22,8 @@ and checks that every method returns the same fingerprint.
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 import platform
 import statistics
@@ -37,24 +39,20 @@ TARGET = 1.5
 
 def model_like(total: int, seed: int = 0) -> list[torch.Tensor]:
     """Embedding, then blocks of attention and MLP weights with biases and norm vectors, until
-    ``total`` elements; the last matrix is trimmed so the count is exact (and not round)."""
+    ``total`` elements; the last tensor is trimmed so the count is exact (and not round)."""
     gen = torch.Generator().manual_seed(seed)
-    d = 512 if total <= 20_000_000 else 1024
-    shapes: list[tuple[int, ...]] = [(8192, d)]
+    d = 256 if total < 5_000_000 else 512 if total <= 20_000_000 else 1024
     block = [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d)]
     block += [(d,), (d,), (d,)]
-    count = 8192 * d
-    while count < total:
-        for shape in block:
-            n = 1
-            for s in shape:
-                n *= s
-            if count + n > total:
-                shapes.append((total - count,))
-                count = total
-                break
-            shapes.append(shape)
-            count += n
+    shapes: list[tuple[int, ...]] = []
+    count = 0
+    for shape in itertools.chain([(8192, d)], itertools.cycle(block)):
+        n = math.prod(shape)
+        if count + n >= total:
+            shapes.append(shape if count + n == total else (total - count,))
+            break
+        shapes.append(shape)
+        count += n
     return [torch.randn(shape, generator=gen) for shape in shapes]
 
 
