@@ -24,7 +24,9 @@ ratios to ``plain``. An audited job runs ``checks`` steps plus one audited step 
 
 is exact arithmetic on measured step times (a non-audited step of an audited job runs the very
 code of a ``checks`` step). The AWS reference rows are the published overheads of the same
-checks in the reference implementation.
+checks in the reference implementation. Next to each CPU ratio stands a 95 % bootstrap interval
+of that median over the rounds: on a shared 2-vCPU host a rerun moves a row by a few points, so
+a row whose interval straddles its target has not been shown to meet or miss it.
 
 ``--loop-paths 1`` adds the rows of the loop patterns — autocast, gradient accumulation, batch
 shipping — and the replay's peak extra memory (``benchmarks/loop_paths.py``).
@@ -253,6 +255,19 @@ def _ratio(samples: list[dict[str, float]], variant: str, every: int) -> float:
     return statistics.median(((k - 1) * s["checks"] + s[variant]) / k / s["plain"] for s in samples)
 
 
+def _interval(
+    samples: list[dict[str, float]], variant: str, every: int, draws: int = 1000
+) -> tuple[float, float]:
+    """A 95 % bootstrap interval of :func:`_ratio` (rounds resampled with replacement, a fixed
+    seed): how far the row could move on a rerun on this host in this load."""
+    pick = random.Random(0)
+    n = len(samples)
+    medians = sorted(
+        _ratio([samples[pick.randrange(n)] for _ in range(n)], variant, every) for _ in range(draws)
+    )
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
+
+
 def _fixed_ms(samples: list[dict[str, float]]) -> float:
     return statistics.median(s["checks"] - s["plain"] for s in samples)
 
@@ -276,13 +291,15 @@ def _table(bench: Bench, result: dict[str, Any], rows: tuple[Any, ...] = ROWS) -
         f"alarms raised during the benchmark: {result['alarms']}",
         f"fixed per-step cost of the checks (median checks - plain): "
         f"{_fixed_ms(wall):.3f} ms wall, {_fixed_ms(cpu):.3f} ms CPU",
-        "ratios: median over rounds of (sdcguard step / plain step of the same round)",
+        "ratios: median over rounds of (sdcguard step / plain step of the same round); "
+        "CPU 95 %: a bootstrap interval of that median over the rounds",
         "",
-        f"{'':32} {'wall':>7} {'CPU':>7} {'target':>7} {'AWS ref':>8}  met (CPU)",
+        f"{'':32} {'wall':>7} {'CPU':>7} {'CPU 95 %':>13} {'target':>7} {'AWS ref':>8}  met (CPU)",
     ]
     for label, variant, every, reference, target in rows:
         r_wall, r_cpu = _ratio(wall, variant, every), _ratio(cpu, variant, every)
-        row = f"{label:32} {r_wall:7.3f} {r_cpu:7.3f}"
+        low, high = _interval(cpu, variant, every)
+        row = f"{label:32} {r_wall:7.3f} {r_cpu:7.3f} {low:6.3f}-{high:6.3f}"
         if target is not None:
             met = "yes" if r_cpu <= target else f"no (+{(r_cpu - target) * 100:.1f} pt)"
             ref = f"{reference:8.3f}" if reference is not None else f"{'-':>8}"
