@@ -137,6 +137,7 @@ class FingerprintPlan:
         self._ordered: torch.Tensor | None = None
         self._starts: tuple[int, ...] = ()
         self._layout: tuple[object, ...] | None = None
+        self._live: list[torch.Tensor] = []  # the tensors, detached, as of the last build
 
     def _signature(self) -> _Key:
         return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
@@ -144,7 +145,7 @@ class FingerprintPlan:
     def _build(self, key: _Key) -> None:
         ts = _prepare(self.tensors)
         self._key, self._groups, self._words, self._mult = key, [], None, None
-        self._ordered, self._layout = None, None
+        self._ordered, self._layout, self._live = None, None, []
         self._device = ts[0].device if ts else None
         where = _offsets(ts, None, self._start)
         contiguous = all(t.is_contiguous() for t in ts)  # else the view would be a copy
@@ -164,35 +165,30 @@ class FingerprintPlan:
             return  # else fingerprint_on_device, whose fused kernel a GPU runs well
         self._build_eager(ts, where)
 
-    def _multipliers(self, ts: list[torch.Tensor], where: list[int]) -> list[torch.Tensor]:
-        """Each tensor's multipliers: slices of the shared table where its positions lie in it;
-        beyond it (a model's buffers, numbered after millions of parameters) computed once for
-        these positions, 8 bytes an element."""
-        device = ts[0].device
-        stop = max(o + t.numel() for t, o in zip(ts, where, strict=True))
-        table = _TABLE.get(device, stop) if stop <= _TABLE_MAX else None
-        return [
-            table[o : o + t.numel()]
-            if table is not None
-            else multipliers(torch.arange(o, o + t.numel(), device=device))
-            for t, o in zip(ts, where, strict=True)
-        ]
+    @staticmethod
+    def _range(device: torch.device, first: int, n: int) -> torch.Tensor:
+        """The multipliers of positions ``[first, first + n)``: a view of the shared table where
+        it covers them; beyond it (a model's buffers, numbered after millions of parameters)
+        computed once for these positions, 8 bytes an element."""
+        if first + n <= _TABLE_MAX:
+            return _TABLE.get(device, first + n)[first : first + n]
+        return multipliers(torch.arange(first, first + n, device=device))
 
     def _build_compiled(self, ts: list[torch.Tensor], where: list[int]) -> None:
-        starts, at = [], 0
-        for t in ts:
-            starts.append(at)
-            at += t.numel()
+        """The plan's positions are consecutive from ``start``, so one range of multipliers in
+        the list's order serves every tensor: no copy of the shared table."""
         with torch.inference_mode(False):
-            self._ordered = torch.cat(self._multipliers(ts, where))
-        self._starts = tuple(starts)
+            self._ordered = self._range(ts[0].device, where[0], sum(t.numel() for t in ts))
+        self._starts = tuple(o - where[0] for o in where)
         self._layout = _layout(ts)
+        self._live = ts
 
     def _build_eager(self, ts: list[torch.Tensor], where: list[int]) -> None:
         device = ts[0].device
         groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for t, m in zip(ts, self._multipliers(ts, where), strict=True):
+        for t, o in zip(ts, where, strict=True):
             if t.numel():
+                m = self._range(device, o, t.numel())
                 groups.setdefault(t.element_size(), []).append((_flat_words(t), m))
         if not groups:
             return
@@ -225,7 +221,7 @@ class FingerprintPlan:
     def _compiled(self, ordered: torch.Tensor) -> torch.Tensor | None:
         """The compiled table's result, or ``None`` once compiling this layout failed under
         ``auto`` (the plan then keeps the eager table)."""
-        ts = [t.detach() for t in self.tensors]
+        ts = self._live
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "bf16 and fp16 are mixed", UserWarning)

@@ -418,11 +418,14 @@ def test_a_small_plan_under_the_fused_kernel_takes_the_table_and_compiles_nothin
     assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
 
 
-def test_a_large_cpu_plan_under_the_fused_kernel_takes_the_compiled_table() -> None:
+@pytest.mark.parametrize("start", [123, (1 << 22) + 5], ids=["in-table", "beyond-table"])
+def test_a_large_cpu_plan_under_the_fused_kernel_takes_the_compiled_table(start: int) -> None:
     """A list the fused kernel would take, on CPU: the plan compiles one pass per tensor over
     the words and the multipliers it holds instead of recomputing splitmix64 per word — the
     same bits as the definition for every word size, with wrapping sums, placed from an
-    offset, and following in-place updates of the live tensors."""
+    offset (inside the shared table: a view of it; beyond it: computed for these positions),
+    and following in-place updates of the live tensors."""
+    assert (start < fp._TABLE_MAX) == (start == 123)
     fp.set_kernel(Kernel.FUSED)
     gen = torch.Generator().manual_seed(27)
     tensors = [
@@ -433,7 +436,6 @@ def test_a_large_cpu_plan_under_the_fused_kernel_takes_the_compiled_table() -> N
         random_bits((0,), torch.float32, gen),
         random_bits((5,), torch.float64, gen),
     ]
-    start = 123
     offsets, at = [], start
     for t in tensors:
         offsets.append(at)
