@@ -14,10 +14,15 @@ Every rank holds four replicas of the same model, each with its own DDP wrapper 
 * ``state``    — the same with ``vote_optimizer_state=True`` (the vote also reads Adam's two
   moments, so an optimizer-state fault is named at its own step);
 * ``loss``     — SDCGuard auditing every step in ``loss`` mode;
-* ``gradient`` — SDCGuard auditing every step in ``gradient`` mode.
+* ``gradient`` — SDCGuard auditing every step in ``gradient`` mode;
+* ``gather``   — plain DDP and, after ``optimizer.step``, one all-gather of a row as long as
+  the guard's (``all_gather_table``, brought to the host as the guard does) and nothing else:
+  the floor under any design that decides every step with a collective of its own. Its row
+  is not sdcguard's cost; it says how much of the fixed cost the collective alone takes, and
+  so what carrying the row in the gradient all-reduce could save.
 
 A round runs one step of each, in an order shuffled per round (the same on every rank), so slow
-drifts of a shared machine hit all four alike; the figures are medians over rounds of per-round
+drifts of a shared machine hit every variant alike; the figures are medians over rounds of per-round
 ratios to ``plain``. An audited job runs ``checks`` steps plus one audited step every K, so
 
     ratio(K) = ((K - 1)·checks + audit) / K / plain
@@ -67,8 +72,9 @@ from detection.gradstats import StatsConfig
 from detection.guard import GuardConfig, SDCGuard
 from detection.harness import _PRELOAD
 from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.vote import all_gather_table
 
-VARIANTS = ("plain", "checks", "bare", "abft", "state", "loss", "gradient")
+VARIANTS = ("plain", "checks", "bare", "abft", "state", "loss", "gradient", "gather")
 # (row, reference overhead published by AWS, target ratio)
 ROWS = (
     ("checks only (no audit)", "checks", 0, 1.074, 1.03),
@@ -79,7 +85,11 @@ ROWS = (
     ("loss audit every 100 steps", "loss", 100, 1.076, 1.025),
     ("gradient audit every 10 steps", "gradient", 10, 1.347, 1.15),
     ("gradient audit every 100 steps", "gradient", 100, 1.101, 1.03),
+    ("plain + one all-gather (floor)", "gather", 0, None, None),
 )
+# Words in the ``gather`` variant's row: the guard's own row with the per-step layer's carried
+# in it is 40-60 words for these models; gloo's latency does not change over that range.
+GATHER_WORDS = 64
 
 
 SMALL_ROW = ("small model: checks only", "checks", 0, None, 1.05)
@@ -185,6 +195,7 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
                 ddps[name], opts[name], microbatch=microbatch, loss_fn=loss_fn, config=config
             )
     steps = dict.fromkeys(VARIANTS, 0)
+    gather_row = torch.zeros(GATHER_WORDS, dtype=torch.int64)
 
     def one_step(name: str) -> tuple[float, float]:
         """(wall ms, CPU ms of this process, all its threads) of one training step."""
@@ -199,6 +210,8 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
             opt.zero_grad(set_to_none=True)
             loss_fn(ddp, microbatch(step, rank)).backward()
             opt.step()
+            if name == "gather":
+                all_gather_table(gather_row).tolist()
         else:
             with guard.step(step):
                 opt.zero_grad(set_to_none=True)
@@ -268,8 +281,8 @@ def _interval(
     return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
-def _fixed_ms(samples: list[dict[str, float]]) -> float:
-    return statistics.median(s["checks"] - s["plain"] for s in samples)
+def _fixed_ms(samples: list[dict[str, float]], variant: str = "checks") -> float:
+    return statistics.median(s[variant] - s["plain"] for s in samples)
 
 
 def _table(bench: Bench, result: dict[str, Any], rows: tuple[Any, ...] = ROWS) -> str:
@@ -290,7 +303,9 @@ def _table(bench: Bench, result: dict[str, Any], rows: tuple[Any, ...] = ROWS) -
         f"median step CPU ms (rank 0, all threads): {medians(cpu)}",
         f"alarms raised during the benchmark: {result['alarms']}",
         f"fixed per-step cost of the checks (median checks - plain): "
-        f"{_fixed_ms(wall):.3f} ms wall, {_fixed_ms(cpu):.3f} ms CPU",
+        f"{_fixed_ms(wall):.3f} ms wall, {_fixed_ms(cpu):.3f} ms CPU; of which one all-gather "
+        f"alone (median gather - plain): {_fixed_ms(wall, 'gather'):.3f} ms wall, "
+        f"{_fixed_ms(cpu, 'gather'):.3f} ms CPU",
         "ratios: median over rounds of (sdcguard step / plain step of the same round); "
         "CPU 95 %: a bootstrap interval of that median over the rounds",
         "",
