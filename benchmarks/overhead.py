@@ -1,6 +1,7 @@
 """Step time with sdcguard ÷ plain DDP, side by side in one run (``make bench``).
 
-Every rank holds four replicas of the same model, each with its own DDP wrapper and optimizer:
+Every rank holds a replica of the same model per variant, each with its own DDP wrapper and
+optimizer:
 
 * ``plain``    — plain DDP, no sdcguard at all (the baseline);
 * ``checks``   — SDCGuard without audits and without ABFT checksums (``abft=False``):
@@ -22,8 +23,9 @@ Every rank holds four replicas of the same model, each with its own DDP wrapper 
   so what carrying the row in the gradient all-reduce could save.
 
 A round runs one step of each, in an order shuffled per round (the same on every rank), so slow
-drifts of a shared machine hit every variant alike; the figures are medians over rounds of per-round
-ratios to ``plain``. An audited job runs ``checks`` steps plus one audited step every K, so
+drifts of a shared machine hit every variant alike; the figures are medians over rounds of
+per-round ratios to ``plain``. An audited job runs ``checks`` steps plus one audited step every
+K, so
 
     ratio(K) = ((K - 1)·checks + audit) / K / plain
 
@@ -87,8 +89,8 @@ ROWS = (
     ("gradient audit every 100 steps", "gradient", 100, 1.101, 1.03),
     ("plain + one all-gather (floor)", "gather", 0, None, None),
 )
-# Words in the ``gather`` variant's row: the guard's own row with the per-step layer's carried
-# in it is 40-60 words for these models; gloo's latency does not change over that range.
+# Words in the ``gather`` variant's row: the guard's own row is 22 words, 30-50 with the
+# per-step layer's row carried in it for these models; gloo's latency is the same over that range.
 GATHER_WORDS = 64
 
 
