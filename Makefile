@@ -9,7 +9,7 @@ export DO_NOT_TRACK := 1
 # Prefect's temporary server takes 17-24 s to start on two cores; its default timeout is 20 s.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 120
 
-.PHONY: demo test lint format install clean bench scan
+.PHONY: demo test lint format install clean bench bench-cuda scan
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
@@ -51,6 +51,11 @@ bench: install
 	$(PY) benchmarks/fingerprint.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/webhook.py
+
+# The detection benchmarks on a GPU, with the python that has a CUDA torch (PYTHON_CUDA).
+bench-cuda:
+	PYTHON=$(PYTHON_CUDA) benchmarks/cuda.sh bench-cuda
+PYTHON_CUDA ?= $(PY)
 
 # Static security scan of deploy/ (Kubernetes manifests, Dockerfile). checkov pins versions
 # the project's constraints cannot share, so it lives in a virtualenv of its own.

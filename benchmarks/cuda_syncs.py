@@ -6,7 +6,12 @@ on ``cuda:0`` under DDP (NCCL, one rank) with SDCGuard in its default configurat
 (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize`` and the
 synchronous ``cudaMemcpy`` device-to-host copies behind ``.item()``/``.tolist()``), against the
 same loop without the guard. The guard's budget is one per step: the read-back of the
-all-gathered decision row. Without a GPU it says so and exits 2.
+all-gathered decision row. It exits 1 when a guarded step adds more than that.
+
+On CUDA it then runs a few more guarded steps under ``torch.cuda.set_sync_debug_mode("warn")``
+and prints where each synchronisation came from (the innermost frame in sdcguard's code), so an
+extra one is found, not only counted. Without a GPU (or with ``--cpu``) it counts on the CPU
+with :class:`detection.host_reads.HostReads`, which sees the calls that would synchronise.
 """
 
 from __future__ import annotations
@@ -14,18 +19,21 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import weakref
+import traceback
+import warnings
 from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.overrides import TorchFunctionMode
 
 from detection.audit import seed_rng, step_seed
 from detection.guard import GuardConfig, SDCGuard
+from detection.host_reads import HostReads
 from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
 
 _BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -46,43 +54,43 @@ def _count(fn: object, steps: int) -> Counter[str]:
     return counts
 
 
-_READ_BACK = ("tolist", "item", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
-_FROM_HOST = ("tensor", "as_tensor")
+def _trace(fn: Callable[[int], object], steps: int) -> Counter[str]:
+    """The innermost frame in this repository's code of every synchronising CUDA call."""
+    root = str(Path(__file__).resolve().parent.parent)
+    places: Counter[str] = Counter()
 
+    def record(message: Any, category: Any, filename: str, lineno: int, *_: Any, **__: Any) -> None:
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)]
+        frame = ours[-1] if ours else None
+        place = (
+            f"{Path(frame.filename).relative_to(root)}:{frame.lineno} {frame.line}"
+            if frame
+            else "?"
+        )
+        places[place] += 1
 
-class _HostReads(TorchFunctionMode):
-    """Counts the torch calls that would block the host on a device (see the module docstring).
-
-    ``host`` holds the tensors already on the host side of a read-back (and of anything
-    computed from them): the CPU stands in for a device, so this taint is what tells a copy from
-    a device tensor apart from work on a copy already made."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-        # by id, holding the tensor weakly: an id is reused once its tensor is freed
-        self.host: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        on_host = any(self.host.get(id(t)) is t for t in tensors)
-        out = func(*args, **kwargs)
-        if name in _READ_BACK and tensors and not on_host:
-            self.counts[f"read back ({name})"] += 1
-            on_host = True
-        elif name in _FROM_HOST and kwargs.get("device") is not None:
-            self.counts[f"host to device ({name})"] += 1
-        if on_host:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.host[id(t)] = t
-        return out
+    shown = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for step in range(steps):
+                    fn(step)
+                torch.cuda.synchronize()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = shown
+    return places
 
 
 def _count_cpu(fn: object, steps: int) -> Counter[str]:
-    mode = _HostReads()
+    mode = HostReads()
     with mode:
         for step in range(steps):
             fn(step)  # type: ignore[operator]
@@ -126,18 +134,25 @@ def main(argv: list[str] | None = None) -> int:
             guard.backward(loss_fn(ddp, microbatch(step, 0)))
             opt.step()
 
-    for step in range(5):
+    warmup = 5
+    for step in range(warmup):
         plain(step)
         guarded(step)
     count = _count if cuda else _count_cpu
-    base = count(plain, args.steps)
-    with_guard = count(guarded, args.steps)
+    base = count(lambda step: plain(warmup + step), args.steps)
+    with_guard = count(lambda step: guarded(warmup + step), args.steps)
     extra = sum(with_guard.values()) - sum(base.values())
     where = torch.cuda.get_device_name(0) if cuda else "CPU (stand-in for a device)"
     print(f"{where}, {args.steps} steps, world size 1")
     print(f"plain DDP blocking calls: {dict(base)}")
     print(f"with SDCGuard:            {dict(with_guard)}")
     print(f"host synchronisations added per step: {extra / args.steps:.2f} (budget 1)")
+    if cuda:
+        first = warmup + args.steps
+        where_from = _trace(lambda step: guarded(first + step), steps=3)
+        print("where the guarded steps synchronise (3 steps, sync debug mode):")
+        for place, n in where_from.most_common():
+            print(f"  {n:4d}  {place}")
     dist.destroy_process_group()
     return 0 if extra <= args.steps else 1
 

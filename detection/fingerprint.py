@@ -91,7 +91,8 @@ Neither kernel reads a value back to the host: ``fingerprint_on_device`` returns
 tensor, so the vote can all-gather it without a synchronisation. All device-side sums and
 products wrap two's-complement at 64 bits, which is what torch's int64 arithmetic does on every
 backend; the tests hold both kernels to a Python-integer reference on inputs where the sums
-overflow (on CPU; the CUDA path is written device-agnostic but has not run on a GPU here).
+overflow (on CPU). On CUDA, ``benchmarks/fingerprint.py --device cuda`` checks every kernel
+against the CPU's eager result for the same words (bit-identical on an H200 at 2.7M-100M).
 """
 
 from __future__ import annotations
