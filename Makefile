@@ -52,10 +52,11 @@ bench: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/webhook.py
 
-# The detection benchmarks on a GPU, with the python that has a CUDA torch (PYTHON_CUDA).
+# The detection benchmarks on a GPU (benchmarks/cuda.sh), run by a python whose torch has CUDA
+# (the dev virtualenv's is the CPU build): PYTHON_CUDA, with torch and httpx importable.
+PYTHON_CUDA ?= python3
 bench-cuda:
 	PYTHON=$(PYTHON_CUDA) benchmarks/cuda.sh bench-cuda
-PYTHON_CUDA ?= $(PY)
 
 # Static security scan of deploy/ (Kubernetes manifests, Dockerfile). checkov pins versions
 # the project's constraints cannot share, so it lives in a virtualenv of its own.
