@@ -71,27 +71,21 @@ def _trace(fn: Callable[[int], object], steps: int) -> Counter[str]:
         )
         places[place] += 1
 
-    shown = warnings.showwarning
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                for step in range(steps):
-                    fn(step)
-                torch.cuda.synchronize()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        warnings.showwarning = shown
+    with warnings.catch_warnings():  # restores showwarning and the filters on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for step in range(steps):
+                fn(step)
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     return places
 
 
 def _count_cpu(fn: object, steps: int) -> Counter[str]:
-    mode = HostReads()
-    with mode:
+    with HostReads() as mode:
         for step in range(steps):
             fn(step)  # type: ignore[operator]
     return mode.counts

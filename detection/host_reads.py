@@ -24,7 +24,9 @@ inside backward (DDP's comm hook, tensor hooks) where the function mode is not i
 read-backs (``item``, ``bool``, ``float``) are counted once, as the operator they dispatch to.
 
 It cannot see a copy of a host tensor to a device (``.to(device)`` of a CPU tensor): on the
-CPU both sides are the same device. The profiler on a GPU remains the measurement.
+CPU both sides are the same device. Nor ``.tolist()``/``.cpu()`` called inside backward: those
+never reach the dispatcher on a CPU tensor, and the function mode is not in force there (scalar
+read-backs and the operators above are seen). The profiler on a GPU remains the measurement.
 """
 
 from __future__ import annotations
@@ -91,9 +93,6 @@ class HostReads:
         self.counts: Counter[str] = Counter()
         self.host: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._modes: list[Any] = []
-
-    def total(self) -> int:
-        return sum(self.counts.values())
 
     def __enter__(self) -> HostReads:
         self._modes = [_FunctionSide(self), _DispatchSide(self)]
