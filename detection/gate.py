@@ -250,7 +250,8 @@ class CheckpointGate:
         sees a partial file. ``uri``: where the control plane will read the file (the job copies
         it there); default ``<uri_prefix>/<file name>``, or the local path without a prefix.
         Must be called right after the guard decided ``step`` — that is the
-        state whose fingerprint the record carries.
+        state whose fingerprint the record carries (a guard that defers its decision decides
+        it at ``guard.flush()``).
         """
         if self.directory is None:
             raise GateError("this gate has no checkpoint directory")
@@ -259,6 +260,12 @@ class CheckpointGate:
             raise GateError(
                 f"checkpoint of step {step} written after the guard decided step "
                 f"{seen}: the recorded fingerprint would not match the file"
+                + (
+                    " (with GuardConfig(defer_decision=True) call guard.flush() on every rank "
+                    "first: it decides the step just run)"
+                    if seen is None or seen < step
+                    else ""
+                )
             )
         self.directory.mkdir(parents=True, exist_ok=True)
         final = checkpoint_path(self.directory, step)

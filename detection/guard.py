@@ -34,6 +34,10 @@ What runs where, per step:
   and one host synchronisation, from which
   every rank reaches the same decision (:mod:`detection.decision`): at most one
   :class:`~detection.alarm.Alarm` per step, reported once per job by the lowest non-suspect rank.
+  With ``GuardConfig(defer_decision=True)`` the all-gather is started there and read at the
+  end of the next step (or at :meth:`SDCGuard.flush`, :meth:`SDCGuard.close`), so it runs while
+  the next step computes: the alarm still names its own step, it is raised (and the job
+  halted) one step later.
 
 Everything before the all-gather stays on the device: no host copy of weights or gradients.
 
@@ -53,6 +57,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -97,9 +102,9 @@ from detection.guard_config import (
 from detection.nonfinite import CheckedCommHook, CommHook
 from detection.replay import AutocastState, unwrap_ddp
 from detection.replay_mode import ReplayMode
-from detection.stepcheck import StepChecks
+from detection.stepcheck import CarriedVerdict, StepChecks
 from detection.vote import (
-    all_gather_table,
+    GatherInFlight,
     optimizer_state_tensors,
     persistent_buffers,
     verify_after_load,
@@ -119,6 +124,15 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Undecided:
+    """A step whose row is gathered (or on its way) and not yet decided."""
+
+    current: _Step
+    gather: GatherInFlight
+    verdict: CarriedVerdict
 
 
 class SDCGuard:
@@ -213,6 +227,7 @@ class SDCGuard:
         self.halted = False
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
+        self._undecided: _Undecided | None = None  # defer_decision: the step decided next
         self._replay_seed: int | None = None
         # What a checkpoint holds and the vote covers: the synchronised parameters, then the
         # persistent buffers, numbered after them in one global numbering.
@@ -364,13 +379,17 @@ class SDCGuard:
             torch.use_deterministic_algorithms(False)
 
     def close(self) -> None:
-        """Remove the guard's module and optimizer hooks (DDP cannot unregister a comm hook)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self.checks.close()
-        if self.injector is not None:
-            self.injector.close()
+        """Decide the step still open (:meth:`flush`), then remove the guard's module and
+        optimizer hooks (DDP cannot unregister a comm hook)."""
+        try:
+            self.flush()
+        finally:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self.checks.close()
+            if self.injector is not None:
+                self.injector.close()
 
     @property
     def armed(self) -> bool:
@@ -489,6 +508,7 @@ class SDCGuard:
     def verify_loaded(self, expected: Fingerprint | str) -> Fingerprint:
         """After loading a checkpoint: every replica's weights equal the recorded fingerprint
         (collective; raises :class:`~detection.vote.LoadVerificationError`)."""
+        self.flush()
         self.buffers.forget_previous()
         return verify_after_load(self.state_tensors, expected, self.group)
 
@@ -574,6 +594,9 @@ class SDCGuard:
             )
         self._check_before_update(current)  # no-ops: the last backward ran both
         self._run_audit(current)
+        # The previous step first, if it is still open: its outcome (a NaN applied to the
+        # weights) decides what this row reads, and decisions are taken in step order.
+        self.flush()
         state_fp = self._zeros[:2]
         if self.config.vote_optimizer_state:
             state = [t for opt in self.optimizers for t in optimizer_state_tensors(opt, self.voted)]
@@ -597,13 +620,36 @@ class SDCGuard:
         )
         # The per-step layer's row rides along (its float64 bits as int64 words), unless it
         # had to decide before the update: one collective, one host synchronisation per step.
-        carried = self.checks.carried_row()
-        if carried is not None:
-            row = torch.cat([row, carried])
-        table = all_gather_table(row, self.group)
+        verdict = self.checks.hand_over()
+        if verdict.row is not None:
+            row = torch.cat([row, verdict.row])
+        step = _Undecided(current, GatherInFlight.start(row, self.group), verdict)
+        if self._defers(current):
+            self._undecided = step
+        else:
+            self._settle(step)
+
+    def _defers(self, current: _Step) -> bool:
+        """Whether this step's decision waits for the next step (``defer_decision``). Never in
+        replay mode (its trace reads each step's outcome at once) nor on a step under a
+        GradScaler (a partial overflow is resolved by recomputing on the step's own weights).
+        The answer is the same on every rank: the configuration and the scaler are."""
+        return self.config.defer_decision and self.replaying is None and current.scale is None
+
+    def flush(self) -> None:
+        """Decide the step still open, if any (``defer_decision``): every rank reads the
+        all-gather it already started and reaches the same decision. Collective only when that
+        step ran a calibration audit; call it on every rank, where the loop needs the last
+        step's verdict now — :meth:`close` and :meth:`verify_loaded` do."""
+        step, self._undecided = self._undecided, None
+        if step is not None:
+            self._settle(step)
+
+    def _settle(self, undecided: _Undecided) -> None:
+        current = undecided.current
+        table = undecided.gather.table()
         rows: list[list[int]] = table[:, :ROW].tolist()
-        if carried is not None:
-            self.checks.decide_carried(table[:, ROW:])
+        self.checks.decide_carried(undecided.verdict, table[:, ROW:])
         if current.self_replays is not None:
             check_calibration(
                 current.step,

@@ -73,6 +73,15 @@ class GuardConfig:
     only check of this layer that sees a flip which makes a value smaller. ``None`` (the
     default): on, except on a ``torch.compile`` model, whose traced modules call no hooks (then
     off, logged); ``True``: on, and a compiled model is refused; ``False``: off.
+    ``defer_decision``: decide each step at the end of the next one, from an all-gather started
+    when the step ended and run while the next step computes — the host no longer waits for
+    that collective, which on a small model is most of the fixed cost per step. The alarm still
+    names the step that went wrong; it is raised, and the job halted, one step later, once
+    that next step has updated the weights too. A checkpoint is verified only by evidence
+    gathered after it (:mod:`detection.gate`), so none taken on corrupt weights is verified;
+    ``guard.flush()`` decides the open step at once, ``guard.close()`` and
+    ``guard.verify_loaded()`` call it, and a loop must close the guard (on every rank) for its
+    last step to be decided. Steps under a GradScaler and replay mode decide at once.
     ``stats``: the tuning.
     """
 
@@ -87,6 +96,7 @@ class GuardConfig:
     step_checks: bool = True
     skip_update_on_alarm: bool = False
     abft: bool | None = None
+    defer_decision: bool = False
     stats: StatsConfig = field(default_factory=StatsConfig)
 
     def __post_init__(self) -> None:

@@ -123,6 +123,7 @@ class TrainConfig:
     halt_on_alarm: bool = False
     abft: bool | None = None  # None: GuardConfig's default (on for the eager model)
     skip_update_on_alarm: bool = False
+    defer_decision: bool = False
     hold_after_halt_s: float = 0.0
     """With ``halt_on_alarm``: how long a halted job stays alive, training no further, for its
     stop (as a job halted by its guard waits for its operator); 0 ends it at once."""
@@ -137,6 +138,7 @@ class TrainConfig:
             inject=_injected(self),
             abft=self.abft,
             skip_update_on_alarm=self.skip_update_on_alarm,
+            defer_decision=self.defer_decision,
         )
 
     def node_names(self) -> list[str]:
@@ -512,14 +514,16 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
         for step in range(start, config.steps):
             probe = _Probe(model) if step == config.probe_step else None
             began = time.perf_counter()
+            checkpoint_due = bool(config.checkpoint_every) and step % config.checkpoint_every == 0
             if guard is not None:
                 with guard.step(step):
                     optimizer.zero_grad(set_to_none=True)
                     loss = loss_fn(ddp, microbatch(step, rank))
                     guard.backward(loss)
                     optimizer.step()
+                if checkpoint_due or trace is not None or capture is not None:
+                    guard.flush()  # these record this step's outcome (deferred: decide it now)
                 outcome = guard.last_outcome
-                assert outcome is not None
             else:
                 seed_rng(step_seed(config.seed, step, rank), device)
                 optimizer.zero_grad(set_to_none=True)
@@ -533,9 +537,11 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
                 _write_probe(config, rank, probe)
             if trace is not None or capture is not None:
                 _trace_step(trace, step, loss, capture, model_state_tensors(model), outcome)
-            completed = step  # after its trace line: a stopped run's report matches its trace
+            # After its trace line: a stopped run's report matches its trace. A deferred
+            # decision reports the last step decided, with that step's fingerprint.
+            completed = step if outcome is None else outcome.step
             completed_fp = outcome.fingerprint if outcome is not None else None
-            if gate is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
+            if gate is not None and checkpoint_due:
                 if outcome is None:  # plain DDP: a record with no evidence stays pending
                     outcome = StepOutcome(
                         step=step,
@@ -772,6 +778,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a step the per-step layer finds corrupted updates no weight, on every rank",
     )
     p.add_argument(
+        "--defer-decision",
+        action="store_true",
+        help="decide each step at the end of the next: its all-gather overlaps that step "
+        "(alarms name their step, one step later)",
+    )
+    p.add_argument(
         "--hold-after-halt",
         type=float,
         default=d.hold_after_halt_s,
@@ -844,6 +856,7 @@ def parse_config(argv: list[str] | None = None) -> TrainConfig:
         halt_on_alarm=args.halt_on_alarm,
         abft=args.abft,
         skip_update_on_alarm=args.skip_update_on_alarm,
+        defer_decision=args.defer_decision,
         hold_after_halt_s=args.hold_after_halt,
     )
 

@@ -15,7 +15,7 @@ pre-hook — before the weights change:
 Everything before the all-gather stays on the device. The layer's row (float64, a few numbers
 per bucket and rank) is built at the end of the step's last (synchronised) backward; by default
 it travels, its bits carried exactly as int64 words, in the guard's one all-gather at the end of
-the step (:meth:`StepChecks.carried_row`), and is decided there, naming the same step. With
+the step (:meth:`StepChecks.hand_over`), and is decided there, naming the same step. With
 ``skip_update_on_alarm`` it is gathered at once instead (one more small all-gather and host
 synchronisation) and decided before any optimizer, handed to the guard or not, can update a
 weight. The comm hook runs only on that backward, on the buckets DDP reduces: with
@@ -52,7 +52,7 @@ from detection.gradstats import BUCKET_FIELDS, GradStatsDetector, LocalGradStats
 from detection.optstate import OptimizerStateCheck, StateFlag
 from detection.vote import all_gather_rows
 
-__all__ = ["StepCheckFinding", "StepChecks"]
+__all__ = ["CarriedVerdict", "StepCheckFinding", "StepChecks"]
 
 _log = logging.getLogger(__name__)
 F = TypeVar("F", bound=tuple[Any, ...])
@@ -83,6 +83,22 @@ def _finite_values(losses: Sequence[float], buckets: Sequence[Sequence[Sequence[
     return all(math.isfinite(v) for v in losses) and all(
         math.isfinite(b[i]) for per in buckets for b in per for i in (0, 2, 3)
     )
+
+
+@dataclass(frozen=True)
+class CarriedVerdict:
+    """The per-step layer's part of one step's decision while that decision is open: ``row``,
+    the words it adds to the guard's row (``None`` when it was decided before the update, and
+    then ``findings`` is its verdict), and ``n_ratios``, how many ABFT ratios the row holds."""
+
+    row: torch.Tensor | None
+    n_ratios: int
+    findings: tuple[StepCheckFinding, ...]
+    # The step's bucket sizes and unit roundoff: the all-reduce check's bound needs them, and
+    # the next step (which may bucket differently: DDP rebuilds its buckets after the first)
+    # has replaced them by the time a deferred decision is taken.
+    numel: tuple[int, ...] = ()
+    u: float = 0.0
 
 
 class StepChecks:
@@ -181,13 +197,13 @@ class StepChecks:
         row, n_ratios = self._row(step, loss, scale)
         if not self.skip_update:
             # Nothing acts on the verdict before the step's end: it travels in the guard's own
-            # all-gather there (:meth:`carried_row`), one collective and one host
+            # all-gather there (:meth:`hand_over`), one collective and one host
             # synchronisation per step for both.
             self._carried = (row, n_ratios)
             return
         rows = all_gather_rows(row, self.group)
         nonfinite_before = self.nonfinite_steps
-        self._pending = self._decide(rows, n_ratios)
+        self._pending = self._decide(rows, n_ratios, self._numel(), self._u)
         # A non-finite gradient (the non-finite check's alarm) is dropped too; under a scaler
         # the scaler skips it already.
         nonfinite = self.nonfinite_steps > nonfinite_before and scale is None
@@ -223,23 +239,37 @@ class StepChecks:
             stats = torch.cat([stats[:1], stats[1:] / divisor])
         return torch.cat([head, loss_value, ratios, stats]), ratios.numel()
 
-    def carried_row(self) -> torch.Tensor | None:
-        """The step's row for the guard to carry in its all-gather, as int64 words (the float64
-        bits, exactly), or ``None`` when the verdict was reached before the update (or the
-        layer is off). The guard hands the gathered words back to :meth:`decide_carried`."""
+    def hand_over(self) -> CarriedVerdict:
+        """The step's part in the guard's decision, taken out of this layer so the next step
+        may begin before it is decided: the row to carry in the guard's all-gather (the float64
+        bits as int64 words, exactly), or the findings of a verdict reached before the update.
+        The guard hands it back, with the gathered words, to :meth:`decide_carried`."""
         if self._carried is None:
-            return None
-        return self._carried[0].view(torch.int64)
-
-    def decide_carried(self, rows: torch.Tensor) -> None:
-        """The verdict from every rank's carried row (a host ``(world, n)`` int64 table of
-        :meth:`carried_row` words): the same on every rank, as every rank holds the table."""
-        if self._carried is None:
-            return
-        n_ratios = self._carried[1]
+            verdict = CarriedVerdict(None, 0, tuple(self._pending))
+        else:
+            row, n_ratios = self._carried
+            verdict = CarriedVerdict(
+                row.view(torch.int64), n_ratios, (), numel=self._numel(), u=self._u
+            )
         self._carried = None
-        table: list[list[float]] = rows.contiguous().view(torch.float64).tolist()
-        self._pending = self._decide(table, n_ratios)
+        self._pending = []
+        return verdict
+
+    def decide_carried(self, verdict: CarriedVerdict, words: torch.Tensor) -> None:
+        """Make ``verdict`` the findings :meth:`merge` places next. A carried row is decided
+        from every rank's words (``words``: the host ``(world, n)`` int64 table of the gathered
+        rows past the guard's own): the same on every rank, as every rank holds the table.
+        Verdicts are decided in step order, so the temporal history learns as it would at
+        once."""
+        if verdict.row is None:
+            self._pending = list(verdict.findings)
+            return
+        table: list[list[float]] = words.contiguous().view(torch.float64).tolist()
+        self._pending = self._decide(table, verdict.n_ratios, verdict.numel, verdict.u)
+
+    def _numel(self) -> tuple[int, ...]:
+        """The elements of each bucket of this step, in bucket order."""
+        return tuple(self.stats.numel[k] for k in sorted(self.stats.numel))
 
     def _drop_update(self, *, scaled: bool) -> None:
         """Make every optimizer leave weights and state as they are, the same on every rank."""
@@ -302,7 +332,15 @@ class StepChecks:
         }
 
     # -- the decision ----------------------------------------------------------------------------
-    def _decide(self, rows: Sequence[Sequence[float]], n_ratios: int) -> list[StepCheckFinding]:
+    def _decide(
+        self,
+        rows: Sequence[Sequence[float]],
+        n_ratios: int,
+        numel: Sequence[int],
+        u: float,
+    ) -> list[StepCheckFinding]:
+        """The findings of one step from every rank's row; ``numel`` and ``u``: that step's
+        bucket sizes and unit roundoff."""
         losses = [r[1] for r in rows]
         ratios = [list(r[2 : 2 + n_ratios]) for r in rows]
         tail = [list(r[2 + n_ratios :]) for r in rows]
@@ -323,11 +361,11 @@ class StepChecks:
                 [[b[0] for b in per] for per in buckets],
                 [[b[1] for b in per] for per in buckets],
                 [[b[3] for b in per] for per in buckets],
-                [self.stats.numel.get(k, 0) for k in sorted(self.stats.numel)] or [0] * n_buckets,
-                self._u,
+                list(numel) or [0] * n_buckets,
+                u,
             )
             if reduction is not None:
-                detail = {**reduction.to_detail(), "unit_roundoff": self._u}
+                detail = {**reduction.to_detail(), "unit_roundoff": u}
                 found.append(
                     StepCheckFinding(
                         Layer.ALLREDUCE, Phase.POST_ALLREDUCE, reduction.suspects, detail

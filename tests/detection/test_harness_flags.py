@@ -52,3 +52,30 @@ def test_the_checksums_catch_the_flip_and_skip_its_update_unless_turned_off(
     off = _run(tmp_path, "off", "--no-abft")
     assert all(a["layer"] != "abft" for a in off["alarms"]), off["alarms"]
     assert skipped["final_fingerprint"] != off["final_fingerprint"]
+
+
+def test_defer_decision_parses_and_a_deferred_job_reports_what_one_deciding_at_once_does(
+    tmp_path: Path,
+) -> None:
+    """``--defer-decision``: the same alarm (its own step) and the same checkpoints, each
+    recorded with its own step's fingerprint and verified only by a later clean step."""
+    assert not parse_config([]).guard_config().defer_decision
+    assert parse_config(["--defer-decision"]).guard_config().defer_decision
+
+    def job(name: str, *flags: str) -> dict[str, Any]:
+        report = tmp_path / f"{name}.json"
+        argv = ["--world-size", "3", "--steps", "9", "--audit-every", "0"]
+        argv += ["--inject", "weight-flip@1:6"]
+        argv += ["--checkpoint-dir", str(tmp_path / name), "--checkpoint-every", "2"]
+        assert main([*argv, "--report", str(report), *flags]) == 0
+        body: dict[str, Any] = json.loads(report.read_text())
+        return body
+
+    at_once, deferred = job("at-once"), job("deferred", "--defer-decision")
+    assert [(a["step"], a["layer"]) for a in at_once["alarms"]] == [(6, "fingerprint")]
+    assert deferred["alarms"] == at_once["alarms"]
+    status = {c["step"]: (c["status"], c["fingerprint"]) for c in at_once["checkpoints"]}
+    assert {c["step"]: (c["status"], c["fingerprint"]) for c in deferred["checkpoints"]} == status
+    assert status[4][0] == "verified"
+    assert status[6][0] == "quarantined"
+    assert deferred["final_fingerprint"] == at_once["final_fingerprint"]

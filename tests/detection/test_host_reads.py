@@ -129,12 +129,14 @@ def _budget(rank: int, world: int, model_name: str, config: dict[str, Any]) -> d
     for step in range(WARMUP):
         plain(step)
         guarded(step)
+    guard.flush()  # the warm-up decided whole, so the counted steps are exactly those below
     with HostReads() as base:
         for step in range(WARMUP, WARMUP + STEPS):
             plain(step)
     with HostReads() as reads:
         for step in range(WARMUP, WARMUP + STEPS):
             guarded(step)
+        guard.flush()  # a deferred decision reads the last step's gather here
     return {
         "base": dict(base.counts),
         "guarded": dict(reads.counts),
@@ -150,6 +152,8 @@ def _budget(rank: int, world: int, model_name: str, config: dict[str, Any]) -> d
         ("plain-parts", {}, 1),
         ("plain-parts", {"audit_every": 2, "audit_mode": "gradient"}, 1),
         ("plain-parts", {"vote_optimizer_state": True}, 1),
+        # read one step later, still once a step
+        ("plain-parts", {"defer_decision": True}, 1),
         # deciding before the update takes its own all-gather at the end of the last backward
         ("plain-parts", {"skip_update_on_alarm": True}, 2),
     ],
