@@ -180,3 +180,37 @@ def test_a_step_under_a_grad_scaler_is_decided_at_once() -> None:
     step changes: such steps do not wait."""
     for decided in run_ranks(_scaled, 2):
         assert decided == [0, 1, 2, 3]
+
+
+def _audited(rank: int, world: int, defer: bool, mode: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(TinyTransformer(CFG))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    config = GuardConfig(
+        defer_decision=defer, audit_every=2, audit_mode=mode, calibrate=1, halt_on_alarm=False
+    )
+    guard = SDCGuard(ddp, opt, microbatch=_microbatch, loss_fn=loss_fn, config=config)
+    for step in range(6):
+        with guard.step(step):
+            opt.zero_grad(set_to_none=True)
+            guard.backward(loss_fn(ddp, _microbatch(step, rank)))
+            opt.step()
+    guard.close()
+    c = guard.counters
+    return {
+        "alarms": len(guard.alarms),
+        "counts": (c.steps, c.audits, c.audits_passed, c.calibration_audits),
+    }
+
+
+@pytest.mark.parametrize("mode", ["loss", "gradient"])
+def test_ring_audits_and_their_calibration_decide_the_same_a_step_later(mode: str) -> None:
+    """A calibration audit's check is a collective of its own, taken with the decision: every
+    rank takes it at the same point, one step later, and the audits count as at once."""
+    at_once, deferred = (run_ranks(_audited, 2, defer, mode) for defer in (False, True))
+    for now, late in zip(at_once, deferred, strict=True):
+        assert now["alarms"] == late["alarms"] == 0
+        assert now["counts"] == late["counts"]
+        steps, audits, passed, calibration = now["counts"]
+        assert (steps, audits, calibration) == (6, 3, 1)
+        assert passed == audits  # a clean run: every audit passed, calibration ones too
