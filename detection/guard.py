@@ -34,10 +34,10 @@ What runs where, per step:
   and one host synchronisation, from which
   every rank reaches the same decision (:mod:`detection.decision`): at most one
   :class:`~detection.alarm.Alarm` per step, reported once per job by the lowest non-suspect rank.
-  With ``GuardConfig(defer_decision=True)`` the all-gather is started there and read at the
-  end of the next step (or at :meth:`SDCGuard.flush`, :meth:`SDCGuard.close`), so it runs while
-  the next step computes: the alarm still names its own step, it is raised (and the job
-  halted) one step later.
+  With ``GuardConfig(defer_decision=True)`` there is no all-gather: the row rides in the next
+  step's gradient all-reduce (:mod:`detection.carry`) and is read at the end of that step (or
+  all-gathered at :meth:`SDCGuard.flush`, :meth:`SDCGuard.close`, if no backward came first):
+  the alarm still names its own step, it is raised (and the job halted) one step later.
 
 Everything before the all-gather stays on the device: no host copy of weights or gradients.
 
@@ -76,6 +76,7 @@ from detection.audit import (
 )
 from detection.buffercheck import BufferWatch
 from detection.calibration import GuardCounters, NotReplayableError
+from detection.carry import RowInBucket
 from detection.decision import (
     ROW,
     STEP,
@@ -131,7 +132,7 @@ class _Undecided:
     """A step whose row is gathered (or on its way) and not yet decided."""
 
     current: _Step
-    gather: GatherInFlight
+    gather: GatherInFlight | RowInBucket
     verdict: CarriedVerdict
 
 
@@ -623,11 +624,17 @@ class SDCGuard:
         verdict = self.checks.hand_over()
         if verdict.row is not None:
             row = torch.cat([row, verdict.row])
-        step = _Undecided(current, GatherInFlight.start(row, self.group), verdict)
-        if self._defers(current):
-            self._undecided = step
+        if not self._defers(current):
+            self._settle(_Undecided(current, GatherInFlight.start(row, self.group), verdict))
+        elif self.hook.can_carry and RowInBucket.fits(row.numel(), self.world_size):
+            # In the next step's gradient all-reduce (detection.carry): no collective of its own.
+            carried = RowInBucket(
+                row, step=current.step, rank=self.rank, world_size=self.world_size, group=self.group
+            )
+            self.hook.carry(carried)
+            self._undecided = _Undecided(current, carried, verdict)
         else:
-            self._settle(step)
+            self._undecided = _Undecided(current, GatherInFlight.start(row, self.group), verdict)
 
     def _defers(self, current: _Step) -> bool:
         """Whether this step's decision waits for the next step (``defer_decision``). Never in
@@ -643,6 +650,7 @@ class SDCGuard:
         step's verdict now — :meth:`close` and :meth:`verify_loaded` do."""
         step, self._undecided = self._undecided, None
         if step is not None:
+            self.hook.carry(None)  # not taken by now: it is all-gathered as it is read
             self._settle(step)
 
     def _settle(self, undecided: _Undecided) -> None:

@@ -31,6 +31,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from detection.alarm import Phase
+from detection.carry import RowInBucket
 from detection.faults import FaultInjector
 from detection.fingerprint import fingerprint_on_device
 
@@ -117,6 +118,8 @@ class CheckedCommHook:
             self._offset[i] = self._offset[i - 1] + params[i - 1].numel()
         self._inner: CommHook = inner if inner is not None else allreduce_hook
         self._inner_state = inner_state if inner is not None else process_group
+        self._group = process_group
+        self._carry: RowInBucket | None = None
         self._injector = injector
         self._observer = observer
         self._device = params[0].device
@@ -144,6 +147,17 @@ class CheckedCommHook:
     def end_step(self) -> None:
         self._active = False
 
+    @property
+    def can_carry(self) -> bool:
+        """Whether a row may ride in the gradient all-reduce: only DDP's own averaging one — a
+        user hook may compress or reorder what it is handed (:mod:`detection.carry`)."""
+        return self._inner is allreduce_hook
+
+    def carry(self, row: RowInBucket | None) -> None:
+        """Send ``row`` with the next guarded step's gradient all-reduce (one bucket's);
+        ``None`` withdraws a row no all-reduce took (it is being all-gathered instead)."""
+        self._carry = row
+
     def hook(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The DDP comm hook (a bound method: DDP wants a named function)."""
         self.calls += 1
@@ -168,6 +182,9 @@ class CheckedCommHook:
             )
             self._partition[key] = [i for i, _ in pairs]
         offsets = [(i, g.storage_offset() - buffer.storage_offset(), g.numel()) for i, g in pairs]
+        reducing = self._reduce_carrying(bucket, buffer)
+        if reducing is None:
+            reducing = self._inner(self._inner_state, bucket)
 
         def after(fut: torch.futures.Future[Any]) -> torch.Tensor:
             value = fut.value()
@@ -179,7 +196,29 @@ class CheckedCommHook:
             self._post[key] = total if total is not None else _bucket_sum(reduced)
             return reduced
 
-        return self._inner(self._inner_state, bucket).then(after)
+        return reducing.then(after)
+
+    def _reduce_carrying(
+        self, bucket: dist.GradBucket, buffer: torch.Tensor
+    ) -> torch.futures.Future[torch.Tensor] | None:
+        """DDP's averaging all-reduce of ``bucket`` with the waiting row appended, or ``None``
+        when no row waits or this bucket does not carry it."""
+        row = self._carry
+        if row is None or self._inner is not allreduce_hook:
+            return None
+        joined = row.join(buffer, is_last=bucket.is_last())
+        if joined is None:
+            return None
+        self._carry = None
+        n = buffer.numel()
+
+        def split(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            fut.wait()
+            row.received(joined[n:])
+            return joined[:n]
+
+        work = dist.all_reduce(joined, group=self._group, async_op=True)
+        return work.get_future().then(split)
 
     def flags(self) -> torch.Tensor:
         """``[pre_bad, post_bad]`` as int64 on the device, without a host synchronisation: the

@@ -58,7 +58,10 @@ def test_defer_decision_parses_and_a_deferred_job_reports_what_one_deciding_at_o
     tmp_path: Path,
 ) -> None:
     """``--defer-decision``: the same alarm (its own step) and the same checkpoints, each
-    recorded with its own step's fingerprint and verified only by a later clean step."""
+    verified only by a later clean step. At three ranks the deferred rows ride in the gradient
+    all-reduce, whose longer buffer may sum in another order: the weights' last bits (so their
+    fingerprints) may differ from the at-once job's, which ``test_carry`` bounds; at two ranks
+    it pins them bit for bit."""
     assert not parse_config([]).guard_config().defer_decision
     assert parse_config(["--defer-decision"]).guard_config().defer_decision
 
@@ -71,11 +74,20 @@ def test_defer_decision_parses_and_a_deferred_job_reports_what_one_deciding_at_o
         body: dict[str, Any] = json.loads(report.read_text())
         return body
 
+    def named(report: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return [
+            (a["step"], a["layer"], a["phase"], a["suspect_ranks"], a["suspect_nodes"])
+            for a in report["alarms"]
+        ]
+
     at_once, deferred = job("at-once"), job("deferred", "--defer-decision")
     assert [(a["step"], a["layer"]) for a in at_once["alarms"]] == [(6, "fingerprint")]
-    assert deferred["alarms"] == at_once["alarms"]
-    status = {c["step"]: (c["status"], c["fingerprint"]) for c in at_once["checkpoints"]}
-    assert {c["step"]: (c["status"], c["fingerprint"]) for c in deferred["checkpoints"]} == status
-    assert status[4][0] == "verified"
-    assert status[6][0] == "quarantined"
-    assert deferred["final_fingerprint"] == at_once["final_fingerprint"]
+    assert named(deferred) == named(at_once)
+    status = {c["step"]: c["status"] for c in at_once["checkpoints"]}
+    assert {c["step"]: c["status"] for c in deferred["checkpoints"]} == status
+    assert status[4] == "verified"
+    assert status[6] == "quarantined"
+    # each checkpoint records its own step's fingerprint: the one the job's trace has there
+    for report in (at_once, deferred):
+        recorded = {c["step"]: c["fingerprint"] for c in report["checkpoints"]}
+        assert len(set(recorded.values())) == len(recorded)
