@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from detection.carry import BUCKET_CAP, CarriedRowError, RowInBucket
@@ -168,3 +169,44 @@ def test_at_three_ranks_the_replicas_agree_and_the_gradients_differ_by_rounding_
         difference = (now["grads"] - late["grads"]).norm()
         assert difference <= 1e-6 * now["grads"].norm()
         assert now["grads"].norm() > 0
+
+
+def _plain_nn(rank: int, world: int, dtype: torch.dtype, inject: tuple[str, ...]) -> Any:
+    """A model of plain ``torch.nn`` parts in ``dtype``, two micro-batches a step (the first
+    under ``no_sync``): its buckets, and so the slab, are in that dtype."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dtype)
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def microbatch(step: int, r: int, micro: int = 0) -> torch.Tensor:
+        g = torch.Generator().manual_seed(step * 100 + r * 10 + micro)
+        return torch.randn(4, 8, generator=g).to(dtype)
+
+    def loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x).float().pow(2).mean()
+
+    config = GuardConfig(
+        defer_decision=True, micro_batches=2, stats=StatsConfig(warmup=2), inject=inject
+    )
+    guard = SDCGuard(ddp, opt, microbatch=microbatch, loss_fn=loss, config=config)
+    for step in range(8):
+        with guard.step(step):
+            opt.zero_grad()
+            with ddp.no_sync():
+                guard.backward(loss(ddp, microbatch(step, rank, 0)))
+            guard.backward(loss(ddp, microbatch(step, rank, 1)))
+            opt.step()
+        if guard.halted:
+            break
+    guard.close()
+    return [(a.step, str(a.layer), a.suspect_ranks) for a in guard.alarms], guard.counters.steps
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_rows_ride_in_buckets_of_every_float_dtype_with_accumulation(dtype: torch.dtype) -> None:
+    for alarms, decided in run_ranks(_plain_nn, 3, dtype, ()):
+        assert (alarms, decided) == ([], 8)
+    for alarms, decided in run_ranks(_plain_nn, 3, dtype, ("weight-flip@1:5",)):
+        # raised at the end of step 6, which halts: steps 0-6 decided, the flip named at 5
+        assert (alarms, decided) == ([(5, "fingerprint", (1,))], 7)
