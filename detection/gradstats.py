@@ -122,11 +122,17 @@ class StatFinding:
         }
 
 
+#: On CPU, buckets below this many elements take ``max(amax, -amin)``.
+_TWO_PASS_MAX = 1 << 20
+
+
 def _peak(flat: torch.Tensor) -> torch.Tensor:
-    """max |x| of a 1-D tensor, NaN if it holds one. On CPU ``max(amax, -amin)``: two
-    vectorised passes, a third faster than one ``aminmax`` (and ``vector_norm(inf)`` is slower
-    still); elsewhere one ``aminmax``, a single read of a bandwidth-bound bucket."""
-    if flat.device.type == "cpu":
+    """max |x| of a 1-D tensor, NaN if it holds one. On CPU, for a bucket that stays in cache,
+    ``max(amax, -amin)``: two vectorised passes, a third faster than one ``aminmax`` (and
+    ``vector_norm(inf)`` is slower still); a larger bucket is bandwidth-bound, and there one
+    ``aminmax``, a single read, is a quarter faster (2.4 M float32: 0.74 ms against 1.02, one
+    thread). Elsewhere always one ``aminmax``."""
+    if flat.device.type == "cpu" and flat.numel() < _TWO_PASS_MAX:
         return torch.maximum(flat.amax(), flat.amin().neg())
     low, high = torch.aminmax(flat)
     return torch.maximum(-low, high)

@@ -19,7 +19,7 @@ from detection.allreduce_check import (
     unit_roundoff,
 )
 from detection.faults import flip_bit_
-from detection.gradstats import GradStatsDetector, StatsConfig, StatsConfigError
+from detection.gradstats import GradStatsDetector, LocalGradStats, StatsConfig, StatsConfigError
 from detection.optstate import OptimizerStateCheck, StateFlag, state_nonfinite_flag
 
 U32 = unit_roundoff(torch.float32)
@@ -97,6 +97,20 @@ def _clean_values(rng: random.Random, world: int, level: float) -> list[dict[str
         {"loss": math.exp(rng.gauss(0.5, 0.1)), "l2[0]": math.exp(rng.gauss(level, 0.15))}
         for _ in range(world)
     ]
+
+
+@pytest.mark.parametrize("numel", [1_000, 1 << 21])  # in cache and bandwidth-bound buckets
+def test_a_buckets_peak_is_its_largest_magnitude_and_nan_when_it_holds_one(numel: int) -> None:
+    bucket = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    for at, value in ((7, -1e3), (numel - 1, 2e3)):
+        bucket[at] = value
+        stats = LocalGradStats(torch.device("cpu"))
+        stats.on_local(0, bucket)
+        assert stats.row()[3].item() == abs(value)  # [n_buckets, sum, l2, peak, reduced]
+    bucket[numel // 2] = math.nan
+    stats = LocalGradStats(torch.device("cpu"))
+    stats.on_local(0, bucket)
+    assert math.isnan(stats.row()[3].item())
 
 
 def test_statistics_learn_then_name_the_outlying_rank_on_its_step() -> None:
