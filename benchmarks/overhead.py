@@ -8,9 +8,9 @@ optimizer:
   non-finite checks around all-reduce, the weight fingerprint vote, one all-gather per step,
   and the per-step layer (gradient statistics, algebraic all-reduce check, optimizer-state
   check: its row rides in the same all-gather);
-* ``defer``    — ``checks`` with ``defer_decision=True``: the all-gather started at the step's
-  end and read at the next step's, so the host does not wait for it (the decision comes a
-  step later);
+* ``defer``    — ``checks`` with ``defer_decision=True``: the row carried in the next step's
+  gradient all-reduce and read at that step's end, no collective of the guard's own (the
+  decision comes a step later);
 * ``bare``     — the same with the per-step layer off (``step_checks=False``), so its own cost
   is the difference of the two rows;
 * ``abft``     — ``checks`` with the ABFT checksums (``abft=True``): the default configuration
