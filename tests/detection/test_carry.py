@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from detection.carry import BUCKET_CAP, CarriedRowError, RowInBucket
@@ -81,7 +82,12 @@ def test_a_row_too_large_for_a_bucket_is_all_gathered() -> None:
 
 
 def _collectives(
-    rank: int, world: int, defer: bool, options: dict[str, Any], lr: float = 1e-3
+    rank: int,
+    world: int,
+    defer: bool,
+    options: dict[str, Any],
+    lr: float = 1e-3,
+    compress: bool = False,
 ) -> dict[str, Any]:
     steps = 6
     torch.manual_seed(0)
@@ -92,7 +98,17 @@ def _collectives(
     def microbatch(step: int, r: int) -> Any:
         return make_batch(CFG, 0, step, r)
 
-    guard = SDCGuard(ddp, opt, microbatch=microbatch, loss_fn=loss_fn, config=config)
+    hook = fp16_compress_hook if compress else None
+    state = dist.group.WORLD if compress else None
+    guard = SDCGuard(
+        ddp,
+        opt,
+        microbatch=microbatch,
+        loss_fn=loss_fn,
+        config=config,
+        comm_hook=hook,
+        comm_state=state,
+    )
 
     def step(s: int) -> None:
         with guard.step(s):
@@ -152,6 +168,15 @@ def test_a_deferred_step_costs_no_collective_of_its_own_and_trains_the_same(
         assert now["last"] == late["last"]
         for a, b in zip(now["weights"], late["weights"], strict=True):
             assert torch.equal(a, b)
+
+
+def test_under_a_comm_hook_of_the_users_the_row_is_all_gathered() -> None:
+    """A compression hook rounds what it is handed (fp16 holds 11 bits, not a 16-bit chunk):
+    the deferred row keeps an all-gather of its own there, and decides the same."""
+    for late in run_ranks(_collectives, 2, True, {}, 1e-3, True):
+        assert late["alarms"] == []
+        assert late["decided"] == 6
+        assert _gathers(late["counts"]) == 4
 
 
 def test_at_three_ranks_the_replicas_agree_and_the_gradients_differ_by_rounding_alone() -> None:
