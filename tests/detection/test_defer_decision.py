@@ -1,10 +1,11 @@
 """``GuardConfig(defer_decision=True)``: each step decided at the end of the next one.
 
 The step's row rides in the next step's gradient all-reduce and is read when that step ends (or
-all-gathered when the loop flushes first), so the guard runs no collective of its own. What must not change: the alarms — the same events, naming the same steps and
-ranks as a guard that decides at once, raised one step later; every step decided by the time
-the guard is closed; a checkpoint recorded only with the fingerprint of its own step. Real rank
-processes in a gloo group, the built-in model and faults injected where users meet them.
+all-gathered when the loop flushes first), so the guard runs no collective of its own. What must
+not change: the alarms — the same events, naming the same steps and ranks as a guard that
+decides at once, raised one step later; every step decided by the time the guard is closed; a
+checkpoint recorded only with the fingerprint of its own step. Real rank processes in a gloo
+group, the built-in model and faults injected where users meet them.
 """
 
 from __future__ import annotations
