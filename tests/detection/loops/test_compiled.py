@@ -40,7 +40,12 @@ def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
 
 
 def _train(
-    rank: int, where: str, mode: str, steps: int, inject: tuple[str, ...] = ()
+    rank: int,
+    where: str,
+    mode: str,
+    steps: int,
+    inject: tuple[str, ...] = (),
+    defer: bool = False,
 ) -> dict[str, Any]:
     if where == "inside":
         model: nn.Module = DistributedDataParallel(torch.compile(_net()))
@@ -54,7 +59,12 @@ def _train(
         loss_fn=_loss,
         identity=NodeIdentity(rank),
         config=GuardConfig(
-            audit_every=1, audit_mode=mode, seed=SEED, inject=inject, halt_on_alarm=False
+            audit_every=1,
+            audit_mode=mode,
+            seed=SEED,
+            inject=inject,
+            halt_on_alarm=False,
+            defer_decision=defer,
         ),
     )
     for step in range(steps):
@@ -73,16 +83,26 @@ def _ranks(rank: int, world: int) -> dict[str, Any]:
             out[f"{where}-{mode}"] = _train(rank, where, mode, CLEAN_STEPS)
     out["nan"] = _train(rank, "outside", "loss", FAULT_STEPS, ("grad-nan@1:4",))
     out["flip"] = _train(rank, "outside", "gradient", FAULT_STEPS, ("grad-flip@1:4",))
+    # decided a step later, the row carried in the compiled DDP's gradient all-reduce
+    out["outside-deferred"] = _train(rank, "outside", "loss", CLEAN_STEPS, defer=True)
+    out["nan-deferred"] = _train(rank, "outside", "loss", FAULT_STEPS, ("grad-nan@1:4",), True)
     return out
 
 
 def test_compiled_models_replay_through_compiled_code() -> None:
     results = run_ranks(_ranks, 2, timeout_s=480)
-    for key in ("inside-loss", "inside-gradient", "outside-loss", "outside-gradient"):
+    for key in (
+        "inside-loss",
+        "inside-gradient",
+        "outside-loss",
+        "outside-gradient",
+        "outside-deferred",
+    ):
         assert_clean(results, key)
     for r in results:
-        # a NaN in rank 1's local gradient: named by the non-finite check
+        # a NaN in rank 1's local gradient: named by the non-finite check, deferred or not
         assert r["nan"]["alarms"][0] == (4, "nonfinite", "pre-allreduce", [1])
+        assert r["nan-deferred"]["alarms"] == r["nan"]["alarms"]
         # a finite flip: the gradient audit's lone disagreeing pair, rank 1 audited by rank 0
         assert r["flip"]["alarms"] == [(4, "audit", "gradient", [0, 1])]
         assert r["flip"]["details"][0]["mismatched_pairs"] == [{"auditor": 0, "audited": 1}]
