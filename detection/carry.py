@@ -70,6 +70,7 @@ class RowInBucket:
         self.world_size = world_size
         self.group = group
         self.taken = False
+        self._shifts: torch.Tensor | None = None  # each chunk's bit offset, made in join
         self._table: torch.Tensor | None = None
 
     @staticmethod
@@ -93,19 +94,19 @@ class RowInBucket:
         torch.div(buffer.reshape(-1), self.world_size, out=joined[:n])
         slab = joined[n:].view(self.world_size, words, k)
         slab.zero_()
-        shifts = torch.arange(0, 64, bits, dtype=torch.int64, device=buffer.device)
+        self._shifts = torch.arange(0, 64, bits, dtype=torch.int64, device=buffer.device)
         mask = (1 << bits) - 1
-        slab[self.rank].copy_(self.row.unsqueeze(1).bitwise_right_shift(shifts) & mask)
+        slab[self.rank].copy_(self.row.unsqueeze(1).bitwise_right_shift(self._shifts) & mask)
         self.taken = True
         return joined
 
     def received(self, slab: torch.Tensor) -> None:
-        """Reassemble the words from the reduced slab (on the device, no synchronisation)."""
-        words = self.row.numel()
-        k = slab.numel() // (self.world_size * words)
-        bits = 64 // k
-        chunks = slab.view(self.world_size, words, k).to(torch.int64)
-        shifts = torch.arange(0, 64, bits, dtype=torch.int64, device=slab.device)
+        """Reassemble the words from the reduced slab that :meth:`join` made (on the device, no
+        synchronisation)."""
+        shifts = self._shifts
+        if shifts is None:
+            raise CarriedRowError(f"step {self.step}'s row was received without being sent")
+        chunks = slab.view(self.world_size, self.row.numel(), shifts.numel()).to(torch.int64)
         # The chunks' bits do not overlap: their sum is their bitwise OR, the top chunk's
         # shift wrapping into the sign as two's complement does.
         self._table = chunks.bitwise_left_shift(shifts).sum(-1)

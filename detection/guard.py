@@ -129,10 +129,11 @@ _log = logging.getLogger(__name__)
 
 @dataclass
 class _Undecided:
-    """A step whose row is gathered (or on its way) and not yet decided."""
+    """A step whose row is on its way to every rank (all-gathered or carried) and not yet
+    decided."""
 
     current: _Step
-    gather: GatherInFlight | RowInBucket
+    exchange: GatherInFlight | RowInBucket
     verdict: CarriedVerdict
 
 
@@ -655,7 +656,7 @@ class SDCGuard:
 
     def _settle(self, undecided: _Undecided) -> None:
         current = undecided.current
-        table = undecided.gather.table()
+        table = undecided.exchange.table()
         rows: list[list[int]] = table[:, :ROW].tolist()
         self.checks.decide_carried(undecided.verdict, table[:, ROW:])
         if current.self_replays is not None:

@@ -204,7 +204,7 @@ class CheckedCommHook:
         """DDP's averaging all-reduce of ``bucket`` with the waiting row appended, or ``None``
         when no row waits or this bucket does not carry it."""
         row = self._carry
-        if row is None or self._inner is not allreduce_hook:
+        if row is None or not self.can_carry:
             return None
         joined = row.join(buffer, is_last=bucket.is_last())
         if joined is None:

@@ -76,7 +76,7 @@ def test_a_row_taken_by_an_all_reduce_that_never_delivered_it_is_an_error() -> N
         row.table()
 
 
-def test_a_row_too_large_for_a_bucket_is_all_gathered() -> None:
+def test_a_slab_past_its_cap_does_not_fit_and_any_rank_says_so() -> None:
     assert RowInBucket.fits(128, 8)
     assert not RowInBucket.fits(1 << 12, 1 << 10)
 
