@@ -9,8 +9,12 @@ The comm hook takes ``S[s] = Σ_i g[s, i]`` and ``N[s] = ‖g[s]‖₂`` before 
 ``P[r] = Σ_i a[i]`` after, with :func:`chunked_sum`: float32 sums of consecutive chunks of
 ``C = 64`` elements (any order inside a chunk: error at most ``gamma(C - 1)`` times the chunk's
 absolute sum), added up in float64 (exact conversions). A plain float64 accumulation would be
-tighter but costs 20x a float32 pass on CPU; a float32 sum of the whole bucket has no bound
-worth having (``gamma(n)``). ``N[s]`` is float32 ``vector_norm``, whatever its order within
+tighter but costs 20x a float32 pass on CPU over a large bucket; a float32 sum of the whole
+bucket has no bound worth having (``gamma(n)``). A bucket of at most ``WIDE_MAX`` elements is
+summed in float64 outright: there the cost is the number of ops, not the pass (one instead of
+eight), and its error, at most ``gamma_v(n - 1)`` times the absolute sum, is below the chunked
+one's ``gamma(C - 1) + gamma_v(n/C + 1)``, so the bound ``B`` below holds for it unchanged.
+``N[s]`` is float32 ``vector_norm``, whatever its order within
 ``(1 - u)^-1 (1 - gamma(n))^-1/2`` of the truth (used as an inflation factor ``rho``).
 
 DDP's all-reduce divides each element by ``W`` (one rounding, none when ``W`` is a power of two)
@@ -59,6 +63,7 @@ import torch
 
 __all__ = [
     "CHUNK",
+    "WIDE_MAX",
     "ReductionFinding",
     "bucket_norm",
     "check_reduction",
@@ -69,6 +74,8 @@ __all__ = [
 
 
 CHUNK = 64
+#: Buckets of at most this many elements are summed in float64 in one op (see the module).
+WIDE_MAX = 1 << 15
 
 
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
@@ -77,7 +84,10 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
 
 def chunked_sum(flat: torch.Tensor) -> torch.Tensor:
     """Σ of a 1-D tensor as a float64 scalar on its device: float32 chunks of :data:`CHUNK`
-    elements added in float64 (the error model of :func:`reduction_bound`)."""
+    elements added in float64 (the error model of :func:`reduction_bound`); a bucket of at most
+    :data:`WIDE_MAX` elements in float64 outright, which that model covers too."""
+    if flat.numel() <= WIDE_MAX:
+        return flat.sum(dtype=torch.float64)
     acc = _accumulation(flat.dtype)
     head = flat.numel() - flat.numel() % CHUNK
     total = flat[head:].sum(dtype=acc).to(torch.float64)

@@ -142,7 +142,7 @@ def seed_rng(value: int, device: torch.device) -> None:
 # -- values and attribution ------------------------------------------------------------------------
 def encode_loss(loss: torch.Tensor) -> torch.Tensor:
     """A scalar loss as its exact float64 bit pattern in an int64 (on device, no sync)."""
-    return loss.detach().reshape(()).to(torch.float64).reshape(1).view(torch.int64)
+    return loss.detach().reshape(1).to(torch.float64).view(torch.int64)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ watch.
 
 from __future__ import annotations
 
-import copy
 import math
 import struct
 from collections.abc import Callable, Sequence
@@ -92,17 +91,19 @@ def any_nonfinite(params: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def flags_word(
-    device: torch.device,
     *,
     stepped: bool,
     weights_nonfinite: torch.Tensor | None,
     state_nonfinite: torch.Tensor,
 ) -> torch.Tensor:
-    """The ``NF`` word (one int64, on the device: a fill, no host-to-device copy)."""
-    nf = torch.full((1,), STEPPED if stepped else 0, dtype=torch.int64, device=device)
+    """The ``NF`` word: one int64 on the device of ``state_nonfinite`` (a ``[1]`` int64 flag),
+    built from it in place, with no host-to-device copy."""
+    nf = state_nonfinite.reshape(1) * STATE_NONFINITE
     if weights_nonfinite is not None:
-        nf = nf + WEIGHTS_NONFINITE * weights_nonfinite
-    return nf + STATE_NONFINITE * state_nonfinite
+        nf.add_(weights_nonfinite, alpha=WEIGHTS_NONFINITE)
+    if stepped:
+        nf.add_(STEPPED)
+    return nf
 
 
 def step_row(
@@ -111,17 +112,22 @@ def step_row(
     flags: torch.Tensor,
     weights: torch.Tensor,
     state: torch.Tensor,
-    own: torch.Tensor,
+    own: Sequence[torch.Tensor],
     replay: torch.Tensor,
     nf: torch.Tensor,
     buffers: torch.Tensor,
+    extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """This rank's ``ROW`` int64 words, in the layout above (on the device)."""
+    """This rank's ``ROW`` int64 words, in the layout above (on the device), followed by
+    ``extra`` (the per-step layer's words) when given. ``own`` comes in pieces (the loss bits,
+    the gradient fingerprint): the row is joined in one ``cat``, as each op is part of a small
+    model's fixed cost."""
     device = flags.device
     # a fill, not torch.tensor(..., device=): no host-to-device copy, no sync
     head = torch.full((1,), step, dtype=torch.int64, device=device)
-    row = torch.cat([head, flags, weights.to(device), state, own, replay, nf, buffers])
-    assert row.numel() == ROW, row.numel()
+    tail = [extra] if extra is not None else []
+    row = torch.cat([head, flags, weights.to(device), state, *own, replay, nf, buffers, *tail])
+    assert row.numel() == ROW + sum(t.numel() for t in tail), row.numel()
     return row
 
 
@@ -208,7 +214,7 @@ class StepDecision:
         states = [tuple(r[S]) for r in rows]
         values = [w + s for w, s in zip(weights, states, strict=True)]
         verdict = majority_vote(values)
-        known_before = copy.copy(self.known)
+        known_before = self.known.snapshot()
         new_divergence = False
         if verdict.unanimous:
             if nonfinite is None:  # equal again (not merely equally NaN): forget the divergence

@@ -172,8 +172,8 @@ class LocalGradStats:
         self._reduced[key] = total.reshape(1)
         return total
 
-    def row(self) -> torch.Tensor:
-        """``[n_buckets, (sum, l2, amax, reduced sum) per bucket in index order]`` (float64)."""
+    def parts(self) -> list[torch.Tensor]:
+        """The pieces of :meth:`row`, for a caller that joins them with its own in one op."""
         keys = sorted(self._local)
         # a fill, not torch.tensor([...]): no host-to-device copy (a synchronisation on CUDA)
         parts = [torch.full((1,), float(len(keys)), dtype=torch.float64, device=self.device)]
@@ -183,7 +183,11 @@ class LocalGradStats:
             if reduced is None:
                 reduced = torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
             parts.append(reduced.to(self.device))
-        return torch.cat(parts)
+        return parts
+
+    def row(self) -> torch.Tensor:
+        """``[n_buckets, (sum, l2, amax, reduced sum) per bucket in index order]`` (float64)."""
+        return torch.cat(self.parts())
 
 
 def _log(value: float) -> float:

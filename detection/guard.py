@@ -605,26 +605,24 @@ class SDCGuard:
             if state:
                 state_fp = fingerprint_on_device(state).to(self.device)
         poison_possible = self.decision.poison_possible  # weights read only after a NaN step
+        # The per-step layer's row rides along (its float64 bits as int64 words), unless it
+        # had to decide before the update: one collective, one host synchronisation per step.
+        verdict = self.checks.hand_over()
         row = step_row(
             current.step,
             flags=self.hook.flags(),
             weights=self._weights_fingerprint(),
             state=state_fp,
-            own=torch.cat([encode_loss(current.loss), self.hook.gradient_fingerprint()]),
+            own=[encode_loss(current.loss), self.hook.gradient_fingerprint()],
             replay=current.replay if current.replay is not None else self._zeros[:3],
             nf=flags_word(
-                self.device,
                 stepped=bool(current.stepped),
                 weights_nonfinite=any_nonfinite(self.params) if poison_possible else None,
                 state_nonfinite=self.checks.state_flag(),
             ),
             buffers=self.buffers.row(),
+            extra=verdict.row,
         )
-        # The per-step layer's row rides along (its float64 bits as int64 words), unless it
-        # had to decide before the update: one collective, one host synchronisation per step.
-        verdict = self.checks.hand_over()
-        if verdict.row is not None:
-            row = torch.cat([row, verdict.row])
         if not self._defers(current):
             self._settle(_Undecided(current, GatherInFlight.start(row, self.group), verdict))
         elif self.hook.can_carry and RowInBucket.fits(row.numel(), self.world_size):

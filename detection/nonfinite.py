@@ -41,6 +41,7 @@ __all__ = [
     "CommHook",
     "NonFiniteVerdict",
     "attribute_nonfinite",
+    "nonfinite_flag",
 ]
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -86,6 +87,15 @@ def attribute_nonfinite(pre: Sequence[bool], post: Sequence[bool]) -> NonFiniteV
 
 def _bucket_sum(t: torch.Tensor) -> torch.Tensor:
     return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    """``1`` (int64, elementwise, on ``x``'s device) where ``x`` is NaN or ±Inf, else ``0``.
+
+    ``x - x`` is exactly ``0`` for every finite float and NaN for NaN and ±Inf, and NaN is the
+    one value unequal to itself: two elementwise ops and a cast, where ``isfinite`` (a
+    composite of four) and its negation take six — the flags are taken on every step."""
+    return torch.isnan(x - x).to(torch.int64)
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -236,7 +246,7 @@ class CheckedCommHook:
         else:
             zero = torch.zeros((), dtype=torch.float64, device=self._device)
             both = torch.stack([torch.stack(side).sum() if side else zero for side in (pre, post)])
-        return torch.isfinite(both).logical_not().to(torch.int64)
+        return nonfinite_flag(both)
 
     def gradient_fingerprint(self) -> torch.Tensor:
         """Σ over buckets of the local-gradient fingerprints (wrapping int64), on the device."""

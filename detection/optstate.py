@@ -12,11 +12,13 @@ Invariant: the flag is 1 when some state element is NaN or ±Inf (or a float32 s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from detection.nonfinite import nonfinite_flag
 from detection.vote import optimizer_state_slots
 
 __all__ = ["OptimizerStateCheck", "StateFlag", "state_nonfinite_flag"]
@@ -44,18 +46,27 @@ class StateFlag:
         self.device = device
         self._state: object = None
         self._entries = -1
-        self._dicts: list[tuple[dict[Any, Any], int]] = []
-        self._slots: list[tuple[dict[Any, Any], Any, torch.Tensor, int]] = []
+        # every parameter's state dict and its size, then per floating-point state tensor:
+        # its dict's ``get``, its key, the tensor and its address (columns, checked with map()
+        # in _valid)
+        self._dict_list: list[dict[Any, Any]] = []
+        self._dict_sizes: list[int] = []
+        self._getters: list[Callable[[Any], Any]] = []
+        self._keys: list[Any] = []
+        self._tensors: list[torch.Tensor] = []
+        self._ptrs: list[int] = []
         self._flat: list[torch.Tensor] = []
         self._buffer: torch.Tensor | None = None
 
     def _valid(self) -> bool:
+        # map() over the cached columns: the loop runs in C, a per-step cost on small models
         state = self.optimizer.state
         return (
             state is self._state
             and len(state) == self._entries
-            and all(len(d) == n for d, n in self._dicts)
-            and all(d.get(k) is t and t.data_ptr() == ptr for d, k, t, ptr in self._slots)
+            and list(map(len, self._dict_list)) == self._dict_sizes
+            and all(map(operator.is_, map(operator.call, self._getters, self._keys), self._tensors))
+            and list(map(torch.Tensor.data_ptr, self._tensors)) == self._ptrs
         )
 
     def _rebuild(self) -> None:
@@ -63,9 +74,14 @@ class StateFlag:
         self._state, self._entries = state, len(state)
         slots = optimizer_state_slots(self.optimizer, self.params)
         # every parameter's state dict, also one holding only scalars yet (a new key shows)
-        self._dicts = [(d, len(d)) for d in (state.get(p) for p in self.params) if d]
-        self._slots = [(d, k, t, t.data_ptr()) for d, k, t in slots if t.is_floating_point()]
-        self._flat = [t.detach().reshape(-1) for _, _, t, _ in self._slots]
+        self._dict_list = [d for d in (state.get(p) for p in self.params) if d]
+        self._dict_sizes = [len(d) for d in self._dict_list]
+        floating = [(d, k, t) for d, k, t in slots if t.is_floating_point()]
+        self._getters = [d.get for d, _, _ in floating]
+        self._keys = [k for _, k, _ in floating]
+        self._tensors = [t for _, _, t in floating]
+        self._ptrs = [t.data_ptr() for t in self._tensors]
+        self._flat = [t.detach().reshape(-1) for t in self._tensors]
         numel = sum(t.numel() for t in self._flat)
         dtypes = {t.dtype for t in self._flat}
         devices = {t.device for t in self._flat}
@@ -95,7 +111,7 @@ class StateFlag:
             ).sum()
         # A finite state so large that a sum overflows float32 (|Σ| > 3.4e38) is corrupt in
         # every practical sense.
-        return (~torch.isfinite(total)).to(device=self.device, dtype=torch.int64).reshape(1)
+        return nonfinite_flag(total).to(self.device).reshape(1)
 
 
 def state_nonfinite_flag(

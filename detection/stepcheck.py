@@ -227,17 +227,16 @@ class StepChecks:
             if loss is not None
             else torch.full((1,), math.nan, dtype=torch.float64, device=self.device)
         )
-        ratios = (
-            self.abft.ratios()
-            if self.abft is not None
-            else torch.zeros(0, dtype=torch.float64, device=self.device)
-        )
+        ratios = [self.abft.ratios()] if self.abft is not None else []
+        n_ratios = ratios[0].numel() if ratios else 0
         head = torch.full((1,), float(step), dtype=torch.float64, device=self.device)
+        if scale is None:  # one cat for the whole row: its ops are a small model's fixed cost
+            return torch.cat([head, loss_value, *ratios, *self.stats.parts()]), n_ratios
+        # per bucket (sum, l2, amax, reduced sum) / scale; the bucket count kept
         stats = self.stats.row()
-        if scale is not None:  # per bucket (sum, l2, amax, reduced sum) / scale; count kept
-            divisor = scale.detach().reshape(1).to(self.device, torch.float64)
-            stats = torch.cat([stats[:1], stats[1:] / divisor])
-        return torch.cat([head, loss_value, ratios, stats]), ratios.numel()
+        divisor = scale.detach().reshape(1).to(self.device, torch.float64)
+        stats = torch.cat([stats[:1], stats[1:] / divisor])
+        return torch.cat([head, loss_value, *ratios, stats]), n_ratios
 
     def hand_over(self) -> CarriedVerdict:
         """The step's part in the guard's decision, taken out of this layer so the next step

@@ -95,6 +95,13 @@ class KnownDivergence:
             return True
         return any(len({values[r] for r in cls}) > 1 for cls in self.classes)
 
+    def snapshot(self) -> KnownDivergence:
+        """An independent copy as of now (``classes`` is an immutable tuple, replaced whole by
+        :meth:`record` and :meth:`clear`, so sharing it is safe)."""
+        copy = KnownDivergence()
+        copy.classes = self.classes
+        return copy
+
     def apart(self, a: int, b: int) -> bool:
         """Whether ranks ``a`` and ``b`` are known to hold different weights."""
         return any((a in cls) != (b in cls) for cls in self.classes)

@@ -12,6 +12,8 @@ from torch import nn
 
 from detection.abft import LinearChecksums
 from detection.allreduce_check import (
+    CHUNK,
+    WIDE_MAX,
     bucket_norm,
     check_reduction,
     chunked_sum,
@@ -19,6 +21,7 @@ from detection.allreduce_check import (
     unit_roundoff,
 )
 from detection.faults import flip_bit_
+from detection.nonfinite import nonfinite_flag
 from detection.gradstats import GradStatsDetector, LocalGradStats, StatsConfig, StatsConfigError
 from detection.optstate import OptimizerStateCheck, StateFlag, state_nonfinite_flag
 
@@ -97,6 +100,32 @@ def _clean_values(rng: random.Random, world: int, level: float) -> list[dict[str
         {"loss": math.exp(rng.gauss(0.5, 0.1)), "l2[0]": math.exp(rng.gauss(level, 0.15))}
         for _ in range(world)
     ]
+
+
+@pytest.mark.parametrize("numel", [1, 1_000, WIDE_MAX, WIDE_MAX + 1, 200_003])
+def test_a_buckets_sum_stays_within_the_error_its_bound_assumes(numel: int) -> None:
+    """Both regimes of chunked_sum (float64 outright up to WIDE_MAX, float32 chunks of CHUNK
+    above): against the exact sum, the error stays under the chunked model's gamma(C - 1)
+    times the absolute sum that reduction_bound charges for it; a small bucket is summed
+    in float64, so its error is far below that."""
+    gen = torch.Generator().manual_seed(numel)
+    bucket = torch.randn(numel, generator=gen) * torch.exp(4 * torch.randn(numel, generator=gen))
+    values = [float(v) for v in bucket.tolist()]
+    exact = math.fsum(values)
+    absolute = math.fsum(abs(v) for v in values)
+    error = abs(chunked_sum(bucket).item() - exact)
+    assert error <= (CHUNK - 1) * U32 / (1 - (CHUNK - 1) * U32) * absolute
+    if numel <= WIDE_MAX:
+        assert error <= 2 * numel * 2.0**-53 * absolute
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_nonfinite_flag_is_one_exactly_for_nan_and_infinities(dtype: torch.dtype) -> None:
+    big = torch.finfo(dtype).max
+    values = torch.tensor([0.0, -0.0, 1.5, -big, big, math.inf, -math.inf, math.nan], dtype=dtype)
+    assert nonfinite_flag(values).tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
+    # a float32 sum that overflows is non-finite too: what the optimizer-state flag relies on
+    assert nonfinite_flag(torch.tensor([big, big], dtype=dtype).sum()).item() == 1
 
 
 @pytest.mark.parametrize("numel", [1_000, 1 << 21])  # in cache and bandwidth-bound buckets
