@@ -576,6 +576,7 @@ class SDCGuard:
     def _check_before_update(self, current: _Step) -> None:
         """The per-step layer's verdict (collective, once per step: later calls are no-ops),
         from the loss averaged over the step's micro-batches and the scale of its backward."""
+        self.hook.settle_reduced()  # the reduced buckets' sums, which the layer's row carries
         self.checks.before_update(current.step, current.mean_loss, current.scale)
 
     def _run_audit(self, current: _Step) -> None:

@@ -108,6 +108,7 @@ class CheckedCommHook:
     Threading: the pre-all-reduce part runs on the autograd thread, the post part in the
     future's callback, which a backend may run on its own threads; each writes only its own
     bucket's slot, and DDP's backward waits for every callback before returning.
+    The reduced buckets are summed after that, on the training thread (:meth:`settle_reduced`).
     """
 
     def __init__(
@@ -135,6 +136,7 @@ class CheckedCommHook:
         self._device = params[0].device
         self._pre: dict[int, torch.Tensor] = {}
         self._post: dict[int, torch.Tensor] = {}
+        self._reduced: dict[int, torch.Tensor] = {}  # reduced buckets not yet summed
         self._grad_fp: dict[int, torch.Tensor] = {}
         self._partition: dict[int, list[int]] = {}
         self._active = False
@@ -148,6 +150,7 @@ class CheckedCommHook:
     def begin_step(self, *, fingerprint_gradients: bool, inject: bool) -> None:
         self._pre.clear()
         self._post.clear()
+        self._reduced.clear()
         self._grad_fp.clear()
         self._partition.clear()
         self._active = True
@@ -202,8 +205,7 @@ class CheckedCommHook:
             if self._inject and self._injector is not None:
                 flat = reduced.reshape(-1)
                 self._injector.on_reduced_gradient([(i, flat[o : o + n]) for i, o, n in offsets])
-            total = self._observer.on_reduced(key, reduced) if self._observer is not None else None
-            self._post[key] = total if total is not None else _bucket_sum(reduced)
+            self._reduced[key] = reduced  # summed by settle_reduced(), on the training thread
             return reduced
 
         return reducing.then(after)
@@ -230,11 +232,27 @@ class CheckedCommHook:
         work = dist.all_reduce(joined, group=self._group, async_op=True)
         return work.get_future().then(split)
 
+    def settle_reduced(self) -> None:
+        """Take the reduced buckets' sums (and the observer's statistics of them), once the
+        step's backward has returned.
+
+        The future's callback only keeps a reference to each reduced bucket: a backend may
+        run it on a thread of its own, where the bucket is cold in another core's cache, and a
+        small model's step pays that per op. DDP's backward returns only after every callback
+        ran, and the bucket keeps its reduced values until the next backward writes it, so the
+        sums taken here on the training thread are of the same values. Idempotent: the guard
+        calls it before the per-step layer decides, and :meth:`flags` before reading them."""
+        for key, reduced in self._reduced.items():
+            total = self._observer.on_reduced(key, reduced) if self._observer is not None else None
+            self._post[key] = total if total is not None else _bucket_sum(reduced)
+        self._reduced.clear()
+
     def flags(self) -> torch.Tensor:
         """``[pre_bad, post_bad]`` as int64 on the device, without a host synchronisation: the
         float64 total of every bucket's sum before and after all-reduce, one finiteness test.
         A total is non-finite exactly when one bucket's sum is (one of its elements is NaN/Inf,
         or its float32 sum overflowed): float64 cannot overflow from float32-sized terms."""
+        self.settle_reduced()
         pre = [_wide(s) for s in self._pre.values()]
         post = [_wide(s) for s in self._post.values()]
         if not pre and not post:
