@@ -21,8 +21,8 @@ from detection.allreduce_check import (
     unit_roundoff,
 )
 from detection.faults import flip_bit_
-from detection.nonfinite import nonfinite_flag
 from detection.gradstats import GradStatsDetector, LocalGradStats, StatsConfig, StatsConfigError
+from detection.nonfinite import nonfinite_flag
 from detection.optstate import OptimizerStateCheck, StateFlag, state_nonfinite_flag
 
 U32 = unit_roundoff(torch.float32)
