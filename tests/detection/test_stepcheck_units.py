@@ -197,15 +197,21 @@ def test_optimizer_state_flag_sees_an_infinite_second_moment() -> None:
     assert check.observe([1, 0]) == (0,)
 
 
-@pytest.mark.parametrize("large", [False, True], ids=["one-pass", "per-tensor"])
+@pytest.mark.parametrize(
+    ("one_pass_max", "join_max"),
+    [(1 << 20, 1 << 16), (8, 1 << 16), (1 << 20, 0)],
+    ids=["one-pass", "mixed", "per-tensor"],
+)
 def test_a_kept_state_flag_follows_the_live_optimizer_state(
-    large: bool, monkeypatch: pytest.MonkeyPatch
+    one_pass_max: int, join_max: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The flag keeps the state's tensors between steps; whatever replaces them (the first
     step creating the state, ``load_state_dict``, a new key, a tensor swapped in place of
-    another) is what it reads next, never the tensors it kept."""
-    if large:
-        monkeypatch.setattr("detection.optstate._ONE_PASS_MAX", 4)
+    another) is what it reads next, never the tensors it kept. Whether the state is summed
+    through one concatenation, tensor by tensor, or both (small tensors joined, the others
+    alone), a non-finite value anywhere raises it."""
+    monkeypatch.setattr("detection.optstate._ONE_PASS_MAX", one_pass_max)
+    monkeypatch.setattr("detection.optstate._JOIN_MAX", join_max)
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     optimizer = torch.optim.Adam(model.parameters())
     params = list(model.parameters())
