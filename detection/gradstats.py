@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from detection.allreduce_check import bucket_norm, chunked_sum
@@ -211,35 +213,22 @@ class _History:
 
 
 @dataclass
-class GradStatsDetector:
-    """The host-side tests over the all-gathered statistics; one per guard, same on every rank.
-
-    ``statistics[r]`` per step: name → value for rank ``r`` (``loss``, ``l2[b]``, ``amax[b]``).
-    """
+class _ScalarTests:
+    """The tests of one layout as a loop over each rank's name → value mapping: their
+    definition, and the faster way for a small table (see :class:`GradStatsDetector`)."""
 
     world_size: int
     config: StatsConfig = field(default_factory=StatsConfig)
     steps_learnt: int = 0
     _temporal: dict[tuple[int, str], _History] = field(default_factory=dict)
     _spread: dict[str, _History] = field(default_factory=dict)
-    _layout: int = -1
 
     @property
     def calibrated(self) -> bool:
         return self.steps_learnt >= self.config.warmup
 
     def history(self) -> dict[tuple[int, str], tuple[float, float, int]]:
-        """The temporal test's reference per (rank, statistic): running mean and mean absolute
-        deviation of its log, and the clean steps learnt."""
         return {key: (h.mean, h.dev, h.n) for key, h in sorted(self._temporal.items())}
-
-    def reset_if_layout_changed(self, n_buckets: int) -> None:
-        """DDP may rebuild its buckets after the first step: a new layout is a new history."""
-        if n_buckets != self._layout:
-            self._layout = n_buckets
-            self._temporal.clear()
-            self._spread.clear()
-            self.steps_learnt = 0
 
     def test(self, values: Sequence[dict[str, float]]) -> list[StatFinding]:
         """The findings of this step (empty while calibrating), at most one per rank."""
@@ -266,7 +255,7 @@ class GradStatsDetector:
                 threshold = max(self.config.k * scale, floor)
                 for r, v in xs:
                     if v - median > threshold:
-                        note(_finding(r, name, "cross-rank", v, median, threshold, scale))
+                        note(stat_finding(r, name, "cross-rank", v, median, threshold, scale))
         temporal: list[StatFinding] = []
         for r, x in enumerate(logs):
             for name, v in x.items():
@@ -276,7 +265,7 @@ class GradStatsDetector:
                 threshold = max(self.config.k * history.dev, floor)
                 if v - history.mean > threshold:
                     temporal.append(
-                        _finding(r, name, "temporal", v, history.mean, threshold, history.dev)
+                        stat_finding(r, name, "temporal", v, history.mean, threshold, history.dev)
                     )
         temporal_ranks = {f.rank for f in temporal}
         most = max(1, self.world_size // 2)
@@ -303,10 +292,11 @@ class GradStatsDetector:
         self.steps_learnt += 1
 
 
-def _finding(
+def stat_finding(
     rank: int, name: str, test: str, value: float, ref: float, threshold: float, scale: float
 ) -> StatFinding:
     statistic, _, bucket = name.partition("[")
+    """A finding of statistic ``name`` (``loss``, ``l2[b]``, ``amax[b]``) on ``rank``."""
     return StatFinding(
         rank=rank,
         statistic=statistic,
@@ -318,3 +308,98 @@ def _finding(
         threshold=threshold,
         scale=scale,
     )
+
+
+#: A table of at most this many values (ranks times statistics) is tested by the loop, larger
+#: ones by :class:`~detection.gradstats_arrays.ArrayTests` (the two agree value for value).
+ARRAY_MIN = 256
+
+
+@dataclass
+class GradStatsDetector:
+    """The host-side tests over the all-gathered statistics; one per guard, same on every rank.
+
+    ``values[r]`` per step (:meth:`test`, :meth:`learn`): name → value for rank ``r`` (``loss``,
+    ``l2[b]``, ``amax[b]``); or the same as column names and a ``(world, n)`` array
+    (:meth:`test_table`, :meth:`learn_table`), which is what a guard's decision passes. A
+    layout's tests run as a loop over dictionaries when its table is small and over arrays when
+    it is large (hundreds of buckets on many ranks, where the loop costs more than the step);
+    the choice is made once per layout and both give the same findings and histories.
+    """
+
+    world_size: int
+    config: StatsConfig = field(default_factory=StatsConfig)
+    array_min: int = ARRAY_MIN  # tables of more values than this are tested over arrays
+    _tests: _ScalarTests | ArrayTests | None = None
+    _layout: int = -1
+
+    @property
+    def steps_learnt(self) -> int:
+        return self._tests.steps_learnt if self._tests is not None else 0
+
+    @property
+    def calibrated(self) -> bool:
+        return self.steps_learnt >= self.config.warmup
+
+    def history(self) -> dict[tuple[int, str], tuple[float, float, int]]:
+        """The temporal test's reference per (rank, statistic): running mean and mean absolute
+        deviation of its log, and the clean steps learnt."""
+        return self._tests.history() if self._tests is not None else {}
+
+    def reset_if_layout_changed(self, n_buckets: int) -> None:
+        """DDP may rebuild its buckets after the first step: a new layout is a new history."""
+        if n_buckets != self._layout:
+            self._layout = n_buckets
+            self._tests = None
+
+    def _for(self, width: int) -> _ScalarTests | ArrayTests:
+        if self._tests is None:
+            large = self.world_size * width > self.array_min
+            kind = ArrayTests if large else _ScalarTests
+            self._tests = kind(self.world_size, self.config)
+        return self._tests
+
+    def test(self, values: Sequence[dict[str, float]]) -> list[StatFinding]:
+        """The findings of this step (empty while calibrating), at most one per rank."""
+        tests = self._for(len(set().union(*values)) if values else 0)
+        if not self.calibrated:
+            return []
+        if isinstance(tests, ArrayTests):
+            return tests.test_table(*table_of(values))
+        return tests.test(values)
+
+    def learn(self, values: Sequence[dict[str, float]]) -> None:
+        """Fold a clean step into the histories."""
+        tests = self._for(len(set().union(*values)) if values else 0)
+        if isinstance(tests, ArrayTests):
+            tests.learn_table(*table_of(values))
+        else:
+            tests.learn(values)
+
+    def test_table(self, names: Sequence[str], raw: _Table) -> list[StatFinding]:
+        """:meth:`test` of ``raw[r][j]``, the value of statistic ``names[j]`` on rank ``r``."""
+        tests = self._for(len(names))
+        if not self.calibrated:
+            return []
+        if isinstance(tests, ArrayTests):
+            return tests.test_table(names, np.asarray(raw, dtype=np.float64))
+        return tests.test(_mappings(names, raw))
+
+    def learn_table(self, names: Sequence[str], raw: _Table) -> None:
+        """:meth:`learn` of ``raw[r][j]``, the value of statistic ``names[j]`` on rank ``r``."""
+        tests = self._for(len(names))
+        if isinstance(tests, ArrayTests):
+            tests.learn_table(names, np.asarray(raw, dtype=np.float64))
+        else:
+            tests.learn(_mappings(names, raw))
+
+
+_Table = npt.NDArray[np.float64] | Sequence[Sequence[float]]
+
+
+def _mappings(names: Sequence[str], raw: _Table) -> list[dict[str, float]]:
+    rows = raw.tolist() if isinstance(raw, np.ndarray) else raw
+    return [dict(zip(names, row, strict=True)) for row in rows]
+
+
+from detection.gradstats_arrays import ArrayTests, table_of  # noqa: E402  (it uses the above)

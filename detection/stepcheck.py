@@ -35,12 +35,15 @@ steps only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -76,12 +79,76 @@ class StepCheckFinding:
         return iter((self.layer, self.phase, self.suspects, self.detail))
 
 
-def _finite_values(losses: Sequence[float], buckets: Sequence[Sequence[Sequence[float]]]) -> bool:
-    """Every loss, bucket sum and bucket L∞ is finite: no element was NaN/Inf on any rank. A
-    float32 L2 norm may overflow from finite elements (one of 3e35 after a bit-30 flip): that
-    is evidence for the tests, not a non-finite step, so it is not looked at here."""
-    return all(math.isfinite(v) for v in losses) and all(
-        math.isfinite(b[i]) for per in buckets for b in per for i in (0, 2, 3)
+def _finite_values(losses: npt.NDArray[np.float64], fields: npt.NDArray[np.float64]) -> bool:
+    """Every loss, bucket sum and bucket L∞ is finite: no element was NaN/Inf on any rank
+    (``fields``: ``[rank, bucket, (sum, l2, amax, reduced sum)]``). A float32 L2 norm may
+    overflow from finite elements (one of 3e35 after a bit-30 flip): that is evidence for the
+    tests, not a non-finite step, so it is not looked at here."""
+    return bool(np.isfinite(losses).all() and np.isfinite(fields[:, :, [0, 2, 3]]).all())
+
+
+#: A step's table of at most this many values is read as lists, larger ones as an array:
+#: numpy's calls cost more than a loop over a few dozen values, a loop over hundreds of buckets
+#: on many ranks more than the step.
+_LOOP_MAX = 256
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    """One step's rows, read: per rank the ABFT ratios, and per rank and bucket the local sum,
+    L2 norm and reduced sum; ``values`` the statistical tests' table (``loss``, each bucket's
+    L2, each bucket's L∞ per rank)."""
+
+    finite: bool
+    n_buckets: int
+    ratios: list[list[float]]
+    sums: list[list[float]]
+    norms: list[list[float]]
+    reduced: list[list[float]]
+    values: npt.NDArray[np.float64] | list[list[float]]
+
+
+def _parse_lists(rows: list[list[float]], n_ratios: int) -> _Parsed:
+    tail = [r[2 + n_ratios :] for r in rows]
+    n_buckets = int(tail[0][0]) if tail and tail[0] else 0
+    f = BUCKET_FIELDS
+    sums = [[t[1 + f * b] for b in range(n_buckets)] for t in tail]
+    norms = [[t[2 + f * b] for b in range(n_buckets)] for t in tail]
+    peaks = [[t[3 + f * b] for b in range(n_buckets)] for t in tail]
+    reduced = [[t[4 + f * b] for b in range(n_buckets)] for t in tail]
+    losses = [r[1] for r in rows]
+    finite = all(map(math.isfinite, losses)) and all(
+        math.isfinite(v) for part in (sums, peaks, reduced) for per in part for v in per
+    )
+    values = [[loss, *n, *p] for loss, n, p in zip(losses, norms, peaks, strict=True)]
+    ratios = [r[2 : 2 + n_ratios] for r in rows]
+    return _Parsed(finite, n_buckets, ratios, sums, norms, reduced, values)
+
+
+def _parse_array(table: npt.NDArray[np.float64], n_ratios: int) -> _Parsed:
+    world = table.shape[0]
+    tail = table[:, 2 + n_ratios :]
+    n_buckets = int(tail[0, 0]) if tail.size else 0
+    fields = tail[:, 1 : 1 + BUCKET_FIELDS * n_buckets].reshape(world, n_buckets, BUCKET_FIELDS)
+    losses = table[:, 1]
+    return _Parsed(
+        finite=_finite_values(losses, fields),
+        n_buckets=n_buckets,
+        ratios=table[:, 2 : 2 + n_ratios].tolist(),
+        sums=fields[:, :, 0].tolist(),
+        norms=fields[:, :, 1].tolist(),
+        reduced=fields[:, :, 3].tolist(),
+        values=np.concatenate([losses[:, None], fields[:, :, 1], fields[:, :, 2]], axis=1),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _statistic_names(n_buckets: int) -> tuple[str, ...]:
+    """The columns of the statistical tests: the loss, then each bucket's L2, then its L∞."""
+    return (
+        "loss",
+        *(f"l2[{b}]" for b in range(n_buckets)),
+        *(f"amax[{b}]" for b in range(n_buckets)),
     )
 
 
@@ -263,8 +330,9 @@ class StepChecks:
         if verdict.row is None:
             self._pending = list(verdict.findings)
             return
-        table: list[list[float]] = words.contiguous().view(torch.float64).tolist()
-        self._pending = self._decide(table, verdict.n_ratios, verdict.numel, verdict.u)
+        table = words.contiguous().view(torch.float64)
+        rows = table.tolist() if table.numel() <= _LOOP_MAX else table.numpy()
+        self._pending = self._decide(rows, verdict.n_ratios, verdict.numel, verdict.u)
 
     def _numel(self) -> tuple[int, ...]:
         """The elements of each bucket of this step, in bucket order."""
@@ -333,35 +401,30 @@ class StepChecks:
     # -- the decision ----------------------------------------------------------------------------
     def _decide(
         self,
-        rows: Sequence[Sequence[float]],
+        rows: Sequence[Sequence[float]] | npt.NDArray[np.float64],
         n_ratios: int,
         numel: Sequence[int],
         u: float,
     ) -> list[StepCheckFinding]:
         """The findings of one step from every rank's row; ``numel`` and ``u``: that step's
         bucket sizes and unit roundoff."""
-        losses = [r[1] for r in rows]
-        ratios = [list(r[2 : 2 + n_ratios]) for r in rows]
-        tail = [list(r[2 + n_ratios :]) for r in rows]
-        n_buckets = int(tail[0][0]) if tail and tail[0] else 0
-        buckets = [
-            [t[1 + BUCKET_FIELDS * b : 1 + BUCKET_FIELDS * (b + 1)] for b in range(n_buckets)]
-            for t in tail
-        ]
+        if isinstance(rows, np.ndarray):
+            step = _parse_array(rows, n_ratios)
+        elif sum(map(len, rows)) <= _LOOP_MAX:
+            step = _parse_lists([list(r) for r in rows], n_ratios)
+        else:
+            step = _parse_array(np.asarray(rows, dtype=np.float64), n_ratios)
         found: list[StepCheckFinding] = []
-        if not _finite_values(losses, buckets):
+        if not step.finite:
             # A non-finite loss or gradient element on some rank: an overflow the scaler
             # handles, or a NaN the non-finite check names. Neither a test nor a lesson here.
             self.nonfinite_steps += 1
             return found
         self.tested_steps += 1
+        n_buckets, ratios = step.n_buckets, step.ratios
         if self._check_reduction and n_buckets:
             reduction = check_reduction(
-                [[b[0] for b in per] for per in buckets],
-                [[b[1] for b in per] for per in buckets],
-                [[b[3] for b in per] for per in buckets],
-                list(numel) or [0] * n_buckets,
-                u,
+                step.sums, step.norms, step.reduced, list(numel) or [0] * n_buckets, u
             )
             if reduction is not None:
                 detail = {**reduction.to_detail(), "unit_roundoff": u}
@@ -375,15 +438,8 @@ class StepChecks:
             if abft is not None:
                 found.append(abft)
         self.detector.reset_if_layout_changed(n_buckets)
-        values = [
-            {
-                "loss": losses[r],
-                **{f"l2[{b}]": buckets[r][b][1] for b in range(n_buckets)},
-                **{f"amax[{b}]": buckets[r][b][2] for b in range(n_buckets)},
-            }
-            for r in range(len(rows))
-        ]
-        stats = self.detector.test(values)
+        names = _statistic_names(n_buckets)
+        stats = self.detector.test_table(names, step.values)
         if stats:
             lead = max(stats, key=lambda f: f.deviation / f.threshold)
             phase = Phase.LOSS if lead.statistic == "loss" else Phase.PRE_ALLREDUCE
@@ -407,7 +463,7 @@ class StepChecks:
                 )
             )
         if not found:
-            self.detector.learn(values)
+            self.detector.learn_table(names, step.values)
             if self.abft is not None and self._abft_tau is None:
                 self._learn_abft(ratios)
         return found

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -21,9 +22,16 @@ from detection.allreduce_check import (
     unit_roundoff,
 )
 from detection.faults import flip_bit_
-from detection.gradstats import GradStatsDetector, LocalGradStats, StatsConfig, StatsConfigError
+from detection.gradstats import (
+    BUCKET_FIELDS,
+    GradStatsDetector,
+    LocalGradStats,
+    StatsConfig,
+    StatsConfigError,
+)
 from detection.nonfinite import nonfinite_flag
 from detection.optstate import OptimizerStateCheck, StateFlag, state_nonfinite_flag
+from detection.stepcheck import _parse_array, _parse_lists
 
 U32 = unit_roundoff(torch.float32)
 
@@ -157,6 +165,68 @@ def test_statistics_learn_then_name_the_outlying_rank_on_its_step() -> None:
     findings = detector.test(values)
     assert [f.rank for f in findings] == [1]
     assert findings[0].deviation > findings[0].threshold >= math.log(8.0)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 7, 8])
+def test_the_array_tests_agree_with_the_loop_value_for_value(world: int) -> None:
+    """Large tables are tested over arrays, small ones by the loop that defines the tests: on
+    the same steps (clean ones, flips up and down, NaN and Inf, zeros, a jump on every rank,
+    several buckets) both give the same findings and the same histories, to the last bit."""
+    rng = random.Random(world)
+    findings = 0
+    for warmup, k, floor in ((1, 4.0, 1.5), (5, 16.0, 8.0), (12, 8.0, 2.0)):
+        config = StatsConfig(warmup=warmup, k=k, floor_factor=floor)
+        loop = GradStatsDetector(world, config, array_min=1 << 30)
+        arrays = GradStatsDetector(world, config, array_min=0)
+        buckets = rng.choice([1, 3])
+        for _ in range(80):
+            values = [
+                {
+                    "loss": math.exp(rng.gauss(0.5, 0.1)),
+                    **{f"l2[{b}]": math.exp(rng.gauss(-2, 0.2)) for b in range(buckets)},
+                    **{f"amax[{b}]": math.exp(rng.gauss(-4, 0.3)) for b in range(buckets)},
+                }
+                for _ in range(world)
+            ]
+            if rng.random() < 0.15:
+                rank, key = rng.randrange(world), rng.choice(list(values[0]))
+                values[rank][key] *= rng.choice([1e3, 50.0, 1e-3, math.inf, math.nan, 0.0])
+            if rng.random() < 0.05:
+                for per in values:
+                    per["loss"] *= 100.0
+            expected = loop.test(values)
+            assert arrays.test(values) == expected
+            findings += len(expected)
+            if not expected:
+                loop.learn(values)
+                arrays.learn(values)
+            assert arrays.history() == loop.history()
+    assert findings > 0  # the comparison covered findings, not only clean steps
+
+
+@pytest.mark.parametrize("poison", [None, 1, 2, 3, 4])
+def test_a_steps_rows_read_as_lists_and_as_an_array_are_the_same(poison: int | None) -> None:
+    """Small tables are read as lists, large ones as an array: the same rows give the same
+    sums, norms, reduced sums, ratios, test values and finiteness either way (a NaN in the
+    loss, a sum, a peak or a reduced sum makes the step non-finite; one in an L2 norm, which
+    may overflow from finite elements, does not)."""
+    rng = random.Random(poison or 0)
+    world, n_ratios, n_buckets = 3, 4, 5
+    rows = [
+        [7.0, rng.random(), *(rng.random() for _ in range(n_ratios)), float(n_buckets)]
+        + [rng.gauss(0, 1) for _ in range(BUCKET_FIELDS * n_buckets)]
+        for _ in range(world)
+    ]
+    if poison is not None:  # 1: loss, 2: a bucket's sum, 3: its L2, 4: its reduced sum
+        at = {1: 1, 2: 3 + n_ratios, 3: 4 + n_ratios, 4: 6 + n_ratios}[poison]
+        rows[1][at] = math.nan
+    lists = _parse_lists(rows, n_ratios)
+    array = _parse_array(np.asarray(rows), n_ratios)
+    assert lists.finite == array.finite == (poison in (None, 3))
+    assert lists.n_buckets == array.n_buckets == n_buckets
+    for name in ("ratios", "sums", "norms", "reduced", "values"):  # NaN equal to NaN here
+        np.testing.assert_array_equal(getattr(lists, name), getattr(array, name), err_msg=name)
+    assert array.values.shape == (world, 1 + 2 * n_buckets)
 
 
 def test_two_ranks_rely_on_the_temporal_test() -> None:
