@@ -235,12 +235,7 @@ class _ScalarTests:
         if not self.calibrated:
             return []
         logs = [{name: _log(v) for name, v in per.items() if math.isfinite(v)} for per in values]
-        worst: dict[int, tuple[float, StatFinding]] = {}
-
-        def note(finding: StatFinding) -> None:
-            score = finding.deviation / finding.threshold
-            if finding.rank not in worst or score > worst[finding.rank][0]:
-                worst[finding.rank] = (score, finding)
+        cross: list[StatFinding] = []
 
         floor = math.log(self.config.floor_factor)
         names = sorted(set().union(*(set(x) for x in logs))) if logs else []
@@ -255,7 +250,9 @@ class _ScalarTests:
                 threshold = max(self.config.k * scale, floor)
                 for r, v in xs:
                     if v - median > threshold:
-                        note(stat_finding(r, name, "cross-rank", v, median, threshold, scale))
+                        cross.append(
+                            stat_finding(r, name, "cross-rank", v, median, threshold, scale)
+                        )
         temporal: list[StatFinding] = []
         for r, x in enumerate(logs):
             for name, v in x.items():
@@ -267,12 +264,7 @@ class _ScalarTests:
                     temporal.append(
                         stat_finding(r, name, "temporal", v, history.mean, threshold, history.dev)
                     )
-        temporal_ranks = {f.rank for f in temporal}
-        most = max(1, self.world_size // 2)
-        if len(temporal_ranks) < self.world_size and len(temporal_ranks) <= most:
-            for finding in temporal:
-                note(finding)
-        return [worst[r][1] for r in sorted(worst)]
+        return worst_per_rank(cross, temporal, self.world_size)
 
     def learn(self, values: Sequence[dict[str, float]]) -> None:
         """Fold a clean step into the histories."""
@@ -290,6 +282,23 @@ class _ScalarTests:
                 mad = _MAD_TO_SIGMA * statistics.median(abs(v - median) for v in xs)
                 self._spread.setdefault(name, _History()).update(mad, cfg.alpha, cfg.warmup)
         self.steps_learnt += 1
+
+
+def worst_per_rank(
+    cross: Sequence[StatFinding], temporal: Sequence[StatFinding], world_size: int
+) -> list[StatFinding]:
+    """Each rank's worst finding of a step (by deviation over threshold; the first of equal
+    ones), from its cross-rank findings and, unless they are the job's own dynamics (every
+    rank, or with 3+ ranks more than half of them), its temporal ones; in rank order."""
+    ranks = {f.rank for f in temporal}
+    if not (len(ranks) < world_size and len(ranks) <= max(1, world_size // 2)):
+        temporal = []
+    worst: dict[int, tuple[float, StatFinding]] = {}
+    for finding in (*cross, *temporal):
+        score = finding.deviation / finding.threshold
+        if finding.rank not in worst or score > worst[finding.rank][0]:
+            worst[finding.rank] = (score, finding)
+    return [worst[r][1] for r in sorted(worst)]
 
 
 def stat_finding(

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from detection.gradstats import StatFinding, StatsConfig, stat_finding
+from detection.gradstats import StatFinding, StatsConfig, stat_finding, worst_per_rank
 
 __all__ = ["ArrayTests", "table_of"]
 
@@ -105,12 +105,7 @@ class ArrayTests:
         cols = self._columns(names)
         logs = _logs(raw)
         floor = math.log(cfg.floor_factor)
-        worst: dict[int, tuple[float, StatFinding]] = {}
-
-        def note(finding: StatFinding) -> None:
-            score = finding.deviation / finding.threshold
-            if finding.rank not in worst or score > worst[finding.rank][0]:
-                worst[finding.rank] = (score, finding)
+        cross: list[StatFinding] = []
 
         if self.world_size >= 3:
             counted = (~np.isnan(logs)).sum(axis=0) >= 3
@@ -120,10 +115,10 @@ class ArrayTests:
                 scale = np.where(self._s_n[cols] > 0, self._s_mean[cols], 0.0)
                 threshold = np.maximum(cfg.k * scale, floor)
                 hits = counted & (logs - median > threshold)
-                # names in sorted order, then ranks: the order the scalar definition notes them
+                # names in sorted order, then ranks: the loop's order (it breaks ties)
                 for j in sorted(set(np.nonzero(hits)[1].tolist()), key=lambda j: names[j]):
                     for r in np.nonzero(hits[:, j])[0].tolist():
-                        note(
+                        cross.append(
                             stat_finding(
                                 r,
                                 names[j],
@@ -149,12 +144,7 @@ class ArrayTests:
             )
             for r, j in np.argwhere(hits).tolist()  # Python ints: ranks go into alarms
         ]
-        temporal_ranks = {f.rank for f in temporal}
-        most = max(1, self.world_size // 2)
-        if len(temporal_ranks) < self.world_size and len(temporal_ranks) <= most:
-            for finding in temporal:
-                note(finding)
-        return [worst[r][1] for r in sorted(worst)]
+        return worst_per_rank(cross, temporal, self.world_size)
 
     def learn_table(self, names: Sequence[str], raw: _Array) -> None:
         """Fold a clean step into the histories (``raw`` as for :meth:`test_table`)."""
