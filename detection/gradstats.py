@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -361,16 +361,18 @@ class GradStatsDetector:
             self._layout = n_buckets
             self._tests = None
 
-    def _for(self, width: int) -> _ScalarTests | ArrayTests:
+    def _for(self, width: Callable[[], int]) -> _ScalarTests | ArrayTests:
+        """This layout's tests, chosen at its first step by the table's size (``width()``
+        statistics a rank)."""
         if self._tests is None:
-            large = self.world_size * width > self.array_min
+            large = self.world_size * width() > self.array_min
             kind = ArrayTests if large else _ScalarTests
             self._tests = kind(self.world_size, self.config)
         return self._tests
 
     def test(self, values: Sequence[dict[str, float]]) -> list[StatFinding]:
         """The findings of this step (empty while calibrating), at most one per rank."""
-        tests = self._for(len(set().union(*values)) if values else 0)
+        tests = self._for(lambda: len(set().union(*values)))
         if not self.calibrated:
             return []
         if isinstance(tests, ArrayTests):
@@ -379,7 +381,7 @@ class GradStatsDetector:
 
     def learn(self, values: Sequence[dict[str, float]]) -> None:
         """Fold a clean step into the histories."""
-        tests = self._for(len(set().union(*values)) if values else 0)
+        tests = self._for(lambda: len(set().union(*values)))
         if isinstance(tests, ArrayTests):
             tests.learn_table(*table_of(values))
         else:
@@ -387,7 +389,7 @@ class GradStatsDetector:
 
     def test_table(self, names: Sequence[str], raw: _Table) -> list[StatFinding]:
         """:meth:`test` of ``raw[r][j]``, the value of statistic ``names[j]`` on rank ``r``."""
-        tests = self._for(len(names))
+        tests = self._for(lambda: len(names))
         if not self.calibrated:
             return []
         if isinstance(tests, ArrayTests):
@@ -396,7 +398,7 @@ class GradStatsDetector:
 
     def learn_table(self, names: Sequence[str], raw: _Table) -> None:
         """:meth:`learn` of ``raw[r][j]``, the value of statistic ``names[j]`` on rank ``r``."""
-        tests = self._for(len(names))
+        tests = self._for(lambda: len(names))
         if isinstance(tests, ArrayTests):
             tests.learn_table(names, np.asarray(raw, dtype=np.float64))
         else:

@@ -6,11 +6,12 @@ statistic (``loss``, ``l2[b]``, ``amax[b]``) and one row a rank: a job of 560 bu
 has 71,680 values a step, which the loop took 131 ms to test and learn, on every rank, every
 step, and this takes 21. On a small table the loop is faster (a few dozen numpy calls cost
 ~50 µs where the loop takes 14), so :class:`~detection.gradstats.GradStatsDetector` picks one
-per layout by the table's size. The arrays keep every rank's verdict
-identical: apart from the logarithm (``math.log``, the same function the loop used), the tests
-take only elementwise IEEE operations and medians (selections, and the mean of the two middle
-values for an even count, as ``statistics.median``), whose results do not depend on the vector
-unit of the host that computes them.
+per layout by the table's size.
+
+The arrays keep every rank's verdict identical: apart from the logarithm (``math.log``, the
+same function the loop uses), the tests take only elementwise IEEE operations and medians
+(selections, and the mean of the two middle values for an even count, as ``statistics.median``),
+whose results do not depend on the vector unit of the host that computes them.
 
 Invariant: for the same sequence of steps, the findings and the histories equal those of the
 scalar definition, value for value: a history ``(mean, dev, n)`` of one statistic of one rank
@@ -27,12 +28,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from detection.gradstats import StatFinding, StatsConfig, stat_finding, worst_per_rank
+from detection.gradstats import (
+    _MAD_TO_SIGMA,
+    _TINY,
+    StatFinding,
+    StatsConfig,
+    stat_finding,
+    worst_per_rank,
+)
 
 __all__ = ["ArrayTests", "table_of"]
 
-_TINY = 1e-30
-_MAD_TO_SIGMA = 1.4826
 _Array = npt.NDArray[np.float64]
 
 
@@ -178,22 +184,14 @@ class ArrayTests:
         return [self._cols[name] for name in names]
 
     def _grow(self, width: int) -> None:
-        """Histories for ``width`` statistics (zero-filled where new; all new at width 0)."""
-        old = self._t_mean.shape[1] if width else 0
-        rows = self.world_size
-
-        def widen(a: npt.NDArray[np.generic], shape: tuple[int, ...]) -> npt.NDArray[np.generic]:
-            out = np.zeros(shape, a.dtype)
-            if old:
-                out[..., :old] = a[..., :old]
-            return out
-
-        self._t_mean = widen(self._t_mean, (rows, width)).astype(np.float64)
-        self._t_dev = widen(self._t_dev, (rows, width)).astype(np.float64)
-        self._t_n = widen(self._t_n, (rows, width)).astype(np.int64)
-        self._s_mean = widen(self._s_mean, (width,)).astype(np.float64)
-        self._s_dev = widen(self._s_dev, (width,)).astype(np.float64)
-        self._s_n = widen(self._s_n, (width,)).astype(np.int64)
+        """Histories for ``width`` statistics, one row a rank: the new ones zero (empty)."""
+        ranks, more = self.world_size - self._t_n.shape[0], width - self._t_n.shape[1]
+        self._t_mean = np.pad(self._t_mean, ((0, ranks), (0, more)))
+        self._t_dev = np.pad(self._t_dev, ((0, ranks), (0, more)))
+        self._t_n = np.pad(self._t_n, ((0, ranks), (0, more)))
+        self._s_mean = np.pad(self._s_mean, (0, more))
+        self._s_dev = np.pad(self._s_dev, (0, more))
+        self._s_n = np.pad(self._s_n, (0, more))
 
 
 def table_of(values: Sequence[dict[str, float]]) -> tuple[list[str], _Array]:
