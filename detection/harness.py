@@ -12,7 +12,8 @@ checkpoint of step ``s`` (the state after step ``s``) replays steps ``s+1…`` b
 Processes: ranks are forked from a ``forkserver`` that has torch preloaded (fast start, no
 fork of a threaded parent), rendezvous through a TCPStore the launcher owns (its port is
 picked by the kernel, so parallel jobs never race for one). SIGTERM to the launcher's process
-group ends every rank at its next step boundary; the launcher then reaps them and exits 143.
+group ends every rank (the step in progress unwinds; rank 0 still reports, as of its last
+complete step: :mod:`detection.termination`); the launcher then reaps them and exits 143.
 """
 
 # No ``from __future__ import annotations`` here: DDP compares a comm hook's annotations with the
@@ -51,6 +52,7 @@ from detection.gate import CheckpointGate, StepOutcome
 from detection.guard import GuardConfig, SDCGuard
 from detection.identity import RankIdentity
 from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.termination import StopRequest, Terminated, run_pending_handlers
 from detection.vote import (
     all_gather_rows,
     model_state_tensors,
@@ -91,10 +93,6 @@ class RankFailedError(HarnessError):
         super().__init__(f"rank {rank} exited with code {exitcode}{': ' + tail if tail else ''}")
         self.rank = rank
         self.exitcode = exitcode
-
-
-class _Terminated(BaseException):
-    """SIGTERM arrived: unwind (every ``finally`` runs) and exit 143."""
 
 
 @dataclass
@@ -276,6 +274,9 @@ def _wait_all(procs: Sequence[Any], errors: Path) -> None:
             proc = procs[rank]
             proc.join()
             if proc.exitcode != 0:
+                # A rank that ended on the SIGTERM this launcher got too is the stop, not a
+                # failure: let a handler the interpreter deferred raise it first.
+                run_pending_handlers()
                 err_file = errors / f"rank-{rank}.err"
                 tail = err_file.read_text()[-2000:] if err_file.exists() else ""
                 raise RankFailedError(rank, proc.exitcode, tail.strip())
@@ -295,15 +296,7 @@ def _stop_all(procs: Sequence[Any], grace_s: float = 5.0) -> None:
 
 
 # -- one rank -------------------------------------------------------------------------------------
-_stop_requested = False
-
-
-def _raise_terminated(_signum: int, _frame: Any) -> None:
-    # Once is enough: a second SIGTERM must not interrupt the unwinding (and the last report).
-    global _stop_requested
-    _stop_requested = True
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _Terminated()
+_RANK_STOP = StopRequest()  # a rank is a process of its own: one stop request per process
 
 
 def _rank_entry(
@@ -311,7 +304,7 @@ def _rank_entry(
 ) -> None:
     """Body of a rank process: exits 0, 143 on SIGTERM, 1 on any error (written for the
     launcher to quote)."""
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    signal.signal(signal.SIGTERM, _RANK_STOP.on_sigterm)
     logging.basicConfig(
         level=logging.WARNING,
         stream=sys.stderr,
@@ -340,12 +333,15 @@ def _rank_entry(
             code = _TERMINATED  # rank 0 wrote its report itself: the launcher is gone
         elif rank == 0:
             Path(result_path).write_text(json.dumps(report))
-    except _Terminated:
+    except Terminated:
         code = _TERMINATED
     except Exception as err:
-        _log.exception("rank %d failed", rank, extra={"rank": rank})
-        Path(error_path).write_text(f"{type(err).__name__}: {err}")
-        code = 1
+        if _RANK_STOP.settle():  # the peers, stopped first, broke a collective: still a stop
+            code = _TERMINATED
+        else:
+            _log.exception("rank %d failed", rank, extra={"rank": rank})
+            Path(error_path).write_text(f"{type(err).__name__}: {err}")
+            code = 1
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -512,6 +508,7 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
     completed_fp: Fingerprint | None = None
     try:
         for step in range(start, config.steps):
+            _RANK_STOP.check()
             probe = _Probe(model) if step == config.probe_step else None
             began = time.perf_counter()
             checkpoint_due = bool(config.checkpoint_every) and step % config.checkpoint_every == 0
@@ -562,12 +559,13 @@ def _train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]
     except BaseException:
         # Once a stop was asked for, whatever ends the loop is the stop: the signal itself, or
         # a collective failing because the peers already left. The spool keeps what is not
-        # sent (the stopper will not wait); only rank 0 reports.
-        if not _stop_requested:
+        # sent (the stopper will not wait); only rank 0 reports. The stop may still be pending
+        # (the peers left while this rank waited in a collective): settle it first.
+        if not _RANK_STOP.settle():
             raise
         terminating = True
         if rank != 0:
-            raise _Terminated() from None
+            raise Terminated() from None
     finally:
         if trace is not None:
             trace.close()
@@ -819,7 +817,7 @@ def _summary(config: TrainConfig, report: dict[str, Any]) -> str:
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
     try:
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = signal.signal(signal.SIGTERM, StopRequest().on_sigterm)
     except ValueError:  # not the main thread: leave signal handling to the caller
         yield
         return
@@ -877,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     except HarnessError as err:
         print(f"sdcguard train: failed: {err}", file=sys.stderr)
         return 1
-    except _Terminated:
+    except Terminated:
         print("sdcguard train: stopped by SIGTERM", file=sys.stderr)
         return _TERMINATED
     print(_summary(config, report))

@@ -257,6 +257,7 @@ def test_sigterm_to_the_process_group_stops_every_rank(tmp_path: Path) -> None:
         assert time.monotonic() < deadline, "processes of the job outlived the launcher"
         time.sleep(0.05)
     # a stopped job still reports, as of its last complete step (the trace's last line)
+    assert report.exists(), err.decode()
     stopped = json.loads(report.read_text())
     last = json.loads(trace.read_text().splitlines()[-1])
     assert stopped["stopped_after_step"] == last["step"]
