@@ -102,9 +102,9 @@ class _Parsed:
     finite: bool
     n_buckets: int
     ratios: list[list[float]]
-    sums: list[list[float]]
-    norms: list[list[float]]
-    reduced: list[list[float]]
+    sums: list[list[float]] | npt.NDArray[np.float64]
+    norms: list[list[float]] | npt.NDArray[np.float64]
+    reduced: list[list[float]] | npt.NDArray[np.float64]
     values: npt.NDArray[np.float64] | list[list[float]]
 
 
@@ -135,9 +135,9 @@ def _parse_array(table: npt.NDArray[np.float64], n_ratios: int) -> _Parsed:
         finite=_finite_values(losses, fields),
         n_buckets=n_buckets,
         ratios=table[:, 2 : 2 + n_ratios].tolist(),
-        sums=fields[:, :, 0].tolist(),
-        norms=fields[:, :, 1].tolist(),
-        reduced=fields[:, :, 3].tolist(),
+        sums=fields[:, :, 0],
+        norms=fields[:, :, 1],
+        reduced=fields[:, :, 3],
         values=np.concatenate([losses[:, None], fields[:, :, 1], fields[:, :, 2]], axis=1),
     )
 

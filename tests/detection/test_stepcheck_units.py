@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from detection import allreduce_check
 from detection.abft import LinearChecksums
 from detection.allreduce_check import (
     CHUNK,
@@ -101,6 +102,85 @@ def test_a_corrupted_reduction_seen_by_every_rank_breaks_the_bound_and_names_nob
     assert finding.suspects == ()
     detail = finding.to_detail()
     assert detail["statistic"] > detail["threshold"] > 0
+
+
+def _reduction_table(
+    rng: np.random.Generator, world: int, n_buckets: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], np.ndarray]:
+    """Per rank and bucket: local sums, norms and reduced sums as clean float32 all-reduces
+    leave them (reduced = the float32 average, the same on every replica), and the bounds."""
+    numel = rng.integers(1, 300_000, n_buckets).tolist()
+    norms = np.exp(rng.normal(0, 3, (world, n_buckets))) * np.sqrt(numel)
+    sums = rng.normal(0, 1, (world, n_buckets)) * norms
+    mean = (sums.astype(np.float32) / np.float32(world)).sum(0, dtype=np.float32)
+    reduced = np.repeat(mean.astype(np.float64)[None], world, axis=0)
+    bounds = np.array(
+        [reduction_bound(world, n, norms[:, b].tolist(), U32) for b, n in enumerate(numel)]
+    )
+    return sums, norms, reduced, numel, bounds
+
+
+def _by_definition(
+    monkeypatch: pytest.MonkeyPatch,
+    sums: np.ndarray,
+    norms: np.ndarray,
+    reduced: np.ndarray,
+    numel: list[int],
+) -> object:
+    """check_reduction with no screen: the per-bucket loop over every bucket."""
+    with monkeypatch.context() as patched:
+        patched.setattr(allreduce_check, "ARRAY_MIN", 1 << 62)
+        return check_reduction(sums.tolist(), norms.tolist(), reduced.tolist(), numel, U32)
+
+
+@pytest.mark.parametrize(("world", "n_buckets"), [(4, 80), (16, 40), (64, 9), (3, 300)])
+def test_the_screened_reduction_check_finds_what_the_loop_finds(
+    monkeypatch: pytest.MonkeyPatch, world: int, n_buckets: int
+) -> None:
+    """A large table is screened with array ops, then only the buckets kept are checked one by
+    one: on clean tables, corruptions at, just under and just over the bound, replicas that
+    differ, non-finite values and zero-norm buckets, the finding is the loop's, to the bit."""
+    rng = np.random.default_rng(world * 1000 + n_buckets)
+    assert world * n_buckets > allreduce_check.ARRAY_MIN  # the screen is on
+    for trial in range(54):
+        sums, norms, reduced, numel, bounds = _reduction_table(rng, world, n_buckets)
+        expected = np.array([math.fsum(sums[:, b].tolist()) for b in range(n_buckets)])
+        kind = trial % 9
+        b = int(rng.integers(n_buckets))
+        ranks = rng.choice(world, int(rng.integers(1, world + 1)), replace=False)
+        if kind == 1:  # a residual a hair under, at or over the bound on some ranks
+            factor = 1.0 + float(rng.choice([-1e-15, -1e-12, 0.0, 1e-15, 1e-12, 1e-6]))
+            reduced[ranks, b] = (expected[b] + bounds[b] * factor) / world
+        elif kind == 2:  # far over the bound, on every rank alike
+            reduced[:, b] = (expected[b] + 1e3 * bounds[b]) / world
+        elif kind == 3:  # one replica's reduced sum differs in its last bit
+            reduced[ranks[0], b] = np.nextafter(reduced[ranks[0], b], np.inf)
+        elif kind == 4:  # non-finite values in one bucket (another may still break the bound)
+            table = (sums, norms, reduced)[int(rng.integers(3))]
+            table[ranks[0], b] = float(rng.choice([np.nan, np.inf, -np.inf]))
+            other = (b + 1) % n_buckets
+            reduced[:, other] = (expected[other] + 2 * bounds[other]) / world
+        elif kind == 5:  # zero gradients in a bucket (bound zero), maybe a value where none is
+            sums[:, b], norms[:, b], reduced[:, b] = 0.0, 0.0, 0.0
+            if trial % 16 == 5:
+                reduced[:, b] = 1e-300
+        elif kind == 6:  # -0.0 and 0.0 are one value; NaN on one replica is not a difference
+            reduced[:, b] = 0.0
+            reduced[ranks[0], b] = -0.0
+            reduced[ranks[-1], (b + 1) % n_buckets] = np.nan
+        elif kind == 7:  # corruptions in several buckets: the worst is the one reported
+            for c in rng.choice(n_buckets, 3, replace=False):
+                reduced[:, c] = (expected[c] + float(rng.uniform(2, 9)) * bounds[c]) / world
+        elif kind == 8:  # local sums that cancel: numpy's sum is off by far more than fsum
+            big = 1e12 * bounds[b]
+            sums[1, b], sums[2 % world, b] = big, -big
+            sums[0, b] = bounds[b] * float(rng.uniform(1, 2))
+            exact = math.fsum(sums[:, b].tolist())
+            reduced[:, b] = (exact + bounds[b] * (1.0 + float(rng.choice([-1e-6, 1e-6])))) / world
+        screened = check_reduction(sums, norms, reduced, numel, U32)
+        assert screened == _by_definition(monkeypatch, sums, norms, reduced, numel), (trial, kind)
+        if kind == 0:
+            assert screened is None, trial  # a clean table passes
 
 
 def _clean_values(rng: random.Random, world: int, level: float) -> list[dict[str, float]]:
