@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detection.fingerprint import FingerprintPlan
+from detection.fingerprint_plan import FingerprintPlan
 from detection.vote import majority_vote, persistent_buffers, to_fingerprint
 
 __all__ = ["BUFFER_ROW", "BufferWatch", "buffer_finding"]

@@ -104,9 +104,12 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from enum import StrEnum
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from detection.fingerprint_plan import FingerprintPlan
 
 __all__ = [
     "Fingerprint",
@@ -603,5 +606,13 @@ def fingerprint_from_tensor(t: torch.Tensor) -> Fingerprint:
 _STATE = _FusedState()
 _TABLE = _Table()
 
-# The per-step plan lives in its own module and is part of this one's public names.
-from detection.fingerprint_plan import FingerprintPlan  # noqa: E402
+
+def __getattr__(name: str) -> Any:
+    """``FingerprintPlan``, part of this module's public names, lives in
+    :mod:`detection.fingerprint_plan`, which builds on this module: it is looked up when first
+    asked for, so either module can be imported first."""
+    if name == "FingerprintPlan":
+        from detection.fingerprint_plan import FingerprintPlan
+
+        return FingerprintPlan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

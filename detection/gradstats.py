@@ -37,13 +37,16 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from detection.allreduce_check import bucket_norm, chunked_sum
+
+if TYPE_CHECKING:
+    from detection.gradstats_arrays import ArrayTests
 
 __all__ = [
     "GradStatsDetector",
@@ -365,9 +368,13 @@ class GradStatsDetector:
         """This layout's tests, chosen at its first step by the table's size (``width()``
         statistics a rank)."""
         if self._tests is None:
-            large = self.world_size * width() > self.array_min
-            kind = ArrayTests if large else _ScalarTests
-            self._tests = kind(self.world_size, self.config)
+            if self.world_size * width() > self.array_min:
+                # Imported here: the array engine builds on this module.
+                from detection.gradstats_arrays import ArrayTests
+
+                self._tests = ArrayTests(self.world_size, self.config)
+            else:
+                self._tests = _ScalarTests(self.world_size, self.config)
         return self._tests
 
     def test(self, values: Sequence[dict[str, float]]) -> list[StatFinding]:
@@ -375,42 +382,45 @@ class GradStatsDetector:
         tests = self._for(lambda: len(set().union(*values)))
         if not self.calibrated:
             return []
-        if isinstance(tests, ArrayTests):
-            return tests.test_table(*table_of(values))
-        return tests.test(values)
+        if isinstance(tests, _ScalarTests):
+            return tests.test(values)
+        return tests.test_table(*_table_of(values))
 
     def learn(self, values: Sequence[dict[str, float]]) -> None:
         """Fold a clean step into the histories."""
         tests = self._for(lambda: len(set().union(*values)))
-        if isinstance(tests, ArrayTests):
-            tests.learn_table(*table_of(values))
-        else:
+        if isinstance(tests, _ScalarTests):
             tests.learn(values)
+        else:
+            tests.learn_table(*_table_of(values))
 
     def test_table(self, names: Sequence[str], raw: _Table) -> list[StatFinding]:
         """:meth:`test` of ``raw[r][j]``, the value of statistic ``names[j]`` on rank ``r``."""
         tests = self._for(lambda: len(names))
         if not self.calibrated:
             return []
-        if isinstance(tests, ArrayTests):
-            return tests.test_table(names, np.asarray(raw, dtype=np.float64))
-        return tests.test(_mappings(names, raw))
+        if isinstance(tests, _ScalarTests):
+            return tests.test(_mappings(names, raw))
+        return tests.test_table(names, np.asarray(raw, dtype=np.float64))
 
     def learn_table(self, names: Sequence[str], raw: _Table) -> None:
         """:meth:`learn` of ``raw[r][j]``, the value of statistic ``names[j]`` on rank ``r``."""
         tests = self._for(lambda: len(names))
-        if isinstance(tests, ArrayTests):
-            tests.learn_table(names, np.asarray(raw, dtype=np.float64))
-        else:
+        if isinstance(tests, _ScalarTests):
             tests.learn(_mappings(names, raw))
+        else:
+            tests.learn_table(names, np.asarray(raw, dtype=np.float64))
 
 
 _Table = npt.NDArray[np.float64] | Sequence[Sequence[float]]
 
 
+def _table_of(values: Sequence[dict[str, float]]) -> tuple[list[str], npt.NDArray[np.float64]]:
+    from detection.gradstats_arrays import table_of
+
+    return table_of(values)
+
+
 def _mappings(names: Sequence[str], raw: _Table) -> list[dict[str, float]]:
     rows = raw.tolist() if isinstance(raw, np.ndarray) else raw
     return [dict(zip(names, row, strict=True)) for row in rows]
-
-
-from detection.gradstats_arrays import ArrayTests, table_of  # noqa: E402  (it uses the above)

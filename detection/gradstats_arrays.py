@@ -89,6 +89,7 @@ class ArrayTests:
     _s_mean: _Array = field(default_factory=lambda: np.zeros(0))
     _s_dev: _Array = field(default_factory=lambda: np.zeros(0))
     _s_n: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    _seen: tuple[_Array, _Array] | None = None  # the last table and its logs
 
     def history(self) -> dict[tuple[int, str], tuple[float, float, int]]:
         """The temporal test's reference per (rank, statistic): running mean and mean absolute
@@ -109,7 +110,7 @@ class ArrayTests:
         ``raw[r, j]`` is the value of statistic ``names[j]`` on rank ``r``."""
         cfg = self.config
         cols = self._columns(names)
-        logs = _logs(raw)
+        logs = self._logs(raw)
         floor = math.log(cfg.floor_factor)
         cross: list[StatFinding] = []
 
@@ -156,7 +157,7 @@ class ArrayTests:
         """Fold a clean step into the histories (``raw`` as for :meth:`test_table`)."""
         cfg = self.config
         cols = self._columns(names)
-        logs = _logs(raw)
+        logs = self._logs(raw)
         mean, dev, n = self._t_mean[:, cols], self._t_dev[:, cols], self._t_n[:, cols]
         _update(mean, dev, n, logs, cfg.alpha, cfg.warmup)
         self._t_mean[:, cols], self._t_dev[:, cols], self._t_n[:, cols] = mean, dev, n
@@ -171,6 +172,17 @@ class ArrayTests:
                 _update(s_mean, s_dev, s_n, mad, cfg.alpha, cfg.warmup)
                 self._s_mean[where], self._s_dev[where], self._s_n[where] = s_mean, s_dev, s_n
         self.steps_learnt += 1
+
+    def _logs(self, raw: _Array) -> _Array:
+        """:func:`_logs` of ``raw``, reused when the table is the last one asked for: a clean
+        step is tested, then learnt, and the logs (one ``math.log`` a value) are most of the
+        cost of either. Compared by value, so a table changed in place is computed afresh."""
+        if self._seen is not None and np.array_equal(self._seen[0], raw, equal_nan=True):
+            return self._seen[1]
+        logs = _logs(raw)
+        logs.flags.writeable = False  # shared by the step's test and learning
+        self._seen = (raw.copy(), logs)
+        return logs
 
     # -- columns ---------------------------------------------------------------------------------
     def _columns(self, names: Sequence[str]) -> list[int]:

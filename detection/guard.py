@@ -86,7 +86,8 @@ from detection.decision import (
     step_row,
 )
 from detection.faults import FaultInjector, FaultSpec
-from detection.fingerprint import Fingerprint, FingerprintPlan, fingerprint_on_device
+from detection.fingerprint import Fingerprint, fingerprint_on_device
+from detection.fingerprint_plan import FingerprintPlan
 from detection.gate import CheckpointGate, StepOutcome
 from detection.guard_audit import AuditWiring
 from detection.guard_audit import StepState as _Step

@@ -284,6 +284,20 @@ def test_the_array_tests_agree_with_the_loop_value_for_value(world: int) -> None
     assert findings > 0  # the comparison covered findings, not only clean steps
 
 
+def test_the_array_tests_see_a_table_changed_in_place() -> None:
+    """A step's logs are reused from its test for its learning: a table changed in place in
+    between is read afresh, not from that reuse."""
+    detector = GradStatsDetector(4, StatsConfig(warmup=2, k=4.0, floor_factor=2.0), array_min=0)
+    names = ["loss", "l2[0]"]
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        detector.learn_table(names, np.exp(rng.normal(0, 0.05, (4, 2))))
+    raw = np.exp(rng.normal(0, 0.05, (4, 2)))
+    assert detector.test_table(names, raw) == []
+    raw[2, 1] *= 1e3
+    assert [f.rank for f in detector.test_table(names, raw)] == [2]
+
+
 @pytest.mark.parametrize("poison", [None, 1, 2, 3, 4])
 def test_a_steps_rows_read_as_lists_and_as_an_array_are_the_same(poison: int | None) -> None:
     """Small tables are read as lists, large ones as an array: the same rows give the same
