@@ -52,7 +52,12 @@ from detection.gate import CheckpointGate, StepOutcome
 from detection.guard import GuardConfig, SDCGuard
 from detection.identity import RankIdentity
 from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
-from detection.termination import StopRequest, Terminated, run_pending_handlers
+from detection.termination import (
+    StopRequest,
+    Terminated,
+    run_pending_handlers,
+    unwind_on_sigterm,
+)
 from detection.vote import (
     all_gather_rows,
     model_state_tensors,
@@ -817,7 +822,7 @@ def _summary(config: TrainConfig, report: dict[str, Any]) -> str:
 @contextlib.contextmanager
 def _sigterm_unwinds() -> Iterator[None]:
     try:
-        previous = signal.signal(signal.SIGTERM, StopRequest().on_sigterm)
+        previous = signal.signal(signal.SIGTERM, unwind_on_sigterm)
     except ValueError:  # not the main thread: leave signal handling to the caller
         yield
         return

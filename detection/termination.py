@@ -26,10 +26,11 @@ once the loop is unwinding no handler interrupts it.
 from __future__ import annotations
 
 import ctypes
+import signal
 import sys
 from types import FrameType
 
-__all__ = ["StopRequest", "Terminated", "run_pending_handlers"]
+__all__ = ["StopRequest", "Terminated", "run_pending_handlers", "unwind_on_sigterm"]
 
 _check_signals = ctypes.pythonapi.PyErr_CheckSignals
 _check_signals.argtypes = []
@@ -47,6 +48,15 @@ def run_pending_handlers() -> None:
     """Run now the Python handlers of signals that have arrived but whose handlers the
     interpreter has deferred (``PyErr_CheckSignals``); raises what a handler raises."""
     _check_signals()
+
+
+def unwind_on_sigterm(_signum: int, _frame: FrameType | None) -> None:
+    """The handler of a process with nothing to finish after a stop but its children (the
+    launcher): raise :class:`Terminated` at once, wherever the main thread is — inside an
+    ``except`` of a library too, since no step boundary would check later — and ignore any
+    later SIGTERM, so the children are stopped to the end."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
 
 
 class StopRequest:

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from detection.termination import StopRequest, Terminated
+from detection.termination import StopRequest, Terminated, unwind_on_sigterm
 from tests.detection.conftest import run_ranks
 
 
@@ -118,3 +118,23 @@ def test_no_sigterm_no_stop(stop: StopRequest) -> None:
     assert stop.settle() is False
     stop.check()  # nothing recorded: the step goes on
     assert stop.asked is False
+
+
+def _signalled_while_handling_an_error() -> None:
+    try:
+        raise EOFError("a library reading a pipe that closed")
+    except EOFError:
+        _deliver_sigterm()
+
+
+def test_the_launchers_handler_unwinds_even_inside_an_except_and_only_once() -> None:
+    """The launcher has no step boundary to check a recorded stop at: it unwinds at once,
+    wherever the signal lands, and a second SIGTERM does not interrupt it stopping the ranks."""
+    previous = signal.signal(signal.SIGTERM, unwind_on_sigterm)
+    try:
+        with pytest.raises(Terminated):
+            _signalled_while_handling_an_error()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        _deliver_sigterm()  # ignored
+    finally:
+        signal.signal(signal.SIGTERM, previous)
