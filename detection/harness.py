@@ -10,7 +10,8 @@ same seed gives bitwise the same final fingerprint run after run, and resuming f
 checkpoint of step ``s`` (the state after step ``s``) replays steps ``s+1…`` bitwise.
 
 Processes: ranks are forked from a ``forkserver`` that has torch preloaded (fast start, no
-fork of a threaded parent), rendezvous through a TCPStore the launcher owns (its port is
+fork of a threaded parent; started before this module imports torch, so the two imports overlap:
+:mod:`detection.forkserver`), rendezvous through a TCPStore the launcher owns (its port is
 picked by the kernel, so parallel jobs never race for one). SIGTERM to the launcher's process
 group ends every rank (the step in progress unwinds; rank 0 still reports, as of its last
 complete step: :mod:`detection.termination`); the launcher then reaps them and exits 143.
@@ -18,6 +19,13 @@ complete step: :mod:`detection.termination`); the launcher then reaps them and e
 
 # No ``from __future__ import annotations`` here: DDP compares a comm hook's annotations with the
 # real ``dist.GradBucket`` and ``Future[Tensor]`` objects when it is registered.
+
+import sys
+
+if __name__ == "__main__":  # ``python -m detection.harness``: the ranks' imports start now
+    from detection.forkserver import start_early
+
+    start_early(sys.argv[1:])
 
 import argparse
 import contextlib
@@ -29,7 +37,6 @@ import multiprocessing.connection
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -48,6 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from detection.audit import AuditMode, seed_rng, step_seed
 from detection.faults import FaultSpec
 from detection.fingerprint import Fingerprint, fingerprint_on_device, weight_fingerprint
+from detection.forkserver import PRELOAD
 from detection.gate import CheckpointGate, StepOutcome
 from detection.guard import GuardConfig, SDCGuard
 from detection.identity import RankIdentity
@@ -78,9 +86,7 @@ _log = logging.getLogger(__name__)
 _SECRET_ENV = "SDCGUARD_WEBHOOK_SECRET"
 _KEY_ID_ENV = "SDCGUARD_WEBHOOK_KEY_ID"  # which of the webhook's scoped keys the secret is
 _TERMINATED = 128 + signal.SIGTERM
-# Imported once in the fork server rather than once per rank: DDP's constructor pulls in
-# torch._dynamo (about a second of CPU per process).
-_PRELOAD = ["torch", "torch._dynamo", "torch.nn.parallel", "detection.guard"]
+_PRELOAD = PRELOAD  # what the ranks' fork server imports (detection.forkserver)
 
 
 class HarnessError(RuntimeError):

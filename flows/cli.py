@@ -29,6 +29,9 @@ def train(ctx: typer.Context) -> None:
     The options are parsed by ``detection.harness`` itself (argparse, stdlib only), so the same
     job runs as ``python -m detection.harness`` in a training image that has no CLI extras.
     """
+    from detection.forkserver import start_early
+
+    start_early(ctx.args)  # the ranks' imports run beside this process's own (torch)
     from detection.harness import main as harness_main
 
     raise typer.Exit(harness_main(list(ctx.args)))

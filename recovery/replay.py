@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from recovery.errors import PermanentError, TemporaryError
+from recovery.replay_batch import replay_all
 
 __all__ = [
     "JobSpec",
@@ -244,13 +245,25 @@ def diagnose(
 
     Invariant: a node is named only when (1) the replay is reproducible — the two spare runs
     agree bit for bit — and (2) the suspect's replay differs from the spares'.
+
+    The replays of different nodes run at once (:func:`~recovery.replay_batch.replay_all`):
+    first the spares and every suspect, then, for the first suspect that differs, the probes
+    of its first diverging step on it and on a spare. The verdict reads them in that order.
     """
     if not spare_nodes:
         raise PermanentError("replay", "diagnose", base.job_id, "no spare node to compare against")
     spare_a_node = spare_nodes[0]
     spare_b_node = spare_nodes[1] if len(spare_nodes) > 1 else spare_nodes[0]
-    spare_a = runner.replay(replace(base, node=spare_a_node, probe_step=None))
-    spare_b = runner.replay(replace(base, node=spare_b_node, probe_step=None))
+    # The spares and every suspect recompute the same steps, each on its own machine: at once
+    # (recovery.replay_batch); the verdict reads them in this order, as if they ran one by one.
+    first = replay_all(
+        runner,
+        [
+            replace(base, node=node, probe_step=None)
+            for node in (spare_a_node, spare_b_node, *suspect_nodes)
+        ],
+    )
+    spare_a, spare_b, on_suspects = first[0], first[1], first[2:]
     replayed = {spare_a_node: _summary(spare_a)}
     nondet = first_mismatch(spare_a.steps, spare_b.steps)
     if nondet is not None:
@@ -265,14 +278,20 @@ def diagnose(
             detail={"replays": replayed},
         )
 
-    for suspect in suspect_nodes:
-        result = runner.replay(replace(base, node=suspect, probe_step=None))
-        replayed[suspect] = _summary(result)
+    replayed.update(
+        {node: _summary(result) for node, result in zip(suspect_nodes, on_suspects, strict=True)}
+    )
+    for suspect, result in zip(suspect_nodes, on_suspects, strict=True):
         step = first_mismatch(result.steps, spare_a.steps)
         if step is None:
             continue
-        probe_s = runner.replay(replace(base, node=suspect, end=step, probe_step=step))
-        probe_p = runner.replay(replace(base, node=spare_a_node, end=step, probe_step=step))
+        probe_s, probe_p = replay_all(
+            runner,
+            [
+                replace(base, node=suspect, end=step, probe_step=step),
+                replace(base, node=spare_a_node, end=step, probe_step=step),
+            ],
+        )
         where = None
         if probe_s.probe is not None and probe_p.probe is not None:
             where = first_diverging_module(probe_s.probe, probe_p.probe)

@@ -1,0 +1,63 @@
+"""Run several replays at once: each node's one after the other, different nodes side by side.
+
+A diagnosis needs the same steps recomputed on two spares and on every suspect. Those are
+different machines, so nothing but the runner serialised them: run one after the other, the
+time to a verdict was the sum of the replays (on a cluster each is a Job that waits for its
+pod, its image and its checkpoint; on one host each pays a Python and torch start). Side by
+side it is the longest of them.
+
+Invariants:
+
+* **One replay at a time per node.** Two replays of the same node (one spare, replayed twice
+  to show the computation is reproducible) run in order, so neither waits on the other's
+  devices and neither's timing bears on the other's result.
+* **The outcome does not depend on the schedule.** Results come back in request order; if
+  replays fail, every other still runs to its end and the first failure *in request order* is
+  raised, so a failure reads the same as when the replays ran one by one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from recovery.replay import ReplayRequest, ReplayResult, ReplayRunner
+
+__all__ = ["replay_all"]
+
+log = logging.getLogger(__name__)
+
+
+def replay_all(runner: ReplayRunner, requests: Sequence[ReplayRequest]) -> list[ReplayResult]:
+    """The results of ``requests`` in their order; see the module for the schedule."""
+    by_node: dict[str, list[int]] = {}
+    for i, request in enumerate(requests):
+        by_node.setdefault(request.node, []).append(i)
+    results: list[ReplayResult | None] = [None] * len(requests)
+    errors: dict[int, BaseException] = {}
+
+    def run_node(indices: list[int]) -> None:
+        for i in indices:
+            try:
+                results[i] = runner.replay(requests[i])
+            except Exception as err:  # raised below, in request order, once all have ended
+                log.warning(
+                    "replay failed: %s",
+                    err,
+                    extra={"job": requests[i].job_id, "node": requests[i].node},
+                )
+                errors[i] = err
+
+    if len(by_node) <= 1:
+        for indices in by_node.values():
+            run_node(indices)
+    else:
+        with ThreadPoolExecutor(max_workers=len(by_node), thread_name_prefix="replay") as pool:
+            for done in [pool.submit(run_node, indices) for indices in by_node.values()]:
+                done.result()
+    if errors:
+        raise errors[min(errors)]
+    return [r for r in results if r is not None]

@@ -1,0 +1,135 @@
+"""The schedule of a diagnosis's replays: different nodes at once, one node's one after the other,
+and a verdict and a failure that read as if they ran one by one.
+
+The runner here is an in-process stand-in for the cluster (what ``LocalReplayRunner`` and
+``KubeReplayRunner`` do is tested in ``test_replay.py`` and ``test_replay_kube.py``): it records
+which replays overlapped, and computes "node-2" differently from step 5 on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import replace
+
+import pytest
+
+from recovery.errors import PermanentError
+from recovery.replay import JobSpec, ReplayRequest, ReplayResult, StepRecord, Verdict, diagnose
+from recovery.replay_batch import replay_all
+
+FAULTY = "node-2"
+
+
+def _steps(request: ReplayRequest) -> tuple[StepRecord, ...]:
+    def weights(step: int) -> str:
+        bad = request.node == FAULTY and step >= 5
+        return f"{step:016x}{1 if bad else 0:016x}"
+
+    return tuple(
+        StepRecord(step, (1.0 / step,), ("00" * 16,), weights(step))
+        for step in range(request.start, request.end + 1)
+    )
+
+
+class OverlapRecorder:
+    """A runner that takes ``hold_s`` a replay and records, per node and overall, how many of
+    its replays ran at the same moment; ``fail`` names nodes whose replays raise. With
+    ``together=n`` every replay of the first round (no probe) waits until ``n`` of them have
+    started: replays run one by one break that barrier (``BrokenBarrierError``) instead of
+    passing."""
+
+    def __init__(
+        self, hold_s: float = 0.2, fail: dict[str, str] | None = None, together: int = 0
+    ) -> None:
+        self.hold_s = hold_s
+        self.fail = fail or {}
+        self.barrier = threading.Barrier(together, timeout=30) if together else None
+        self.lock = threading.Lock()
+        self.running: dict[str, int] = defaultdict(int)
+        self.most_per_node = 0
+        self.most_at_once = 0
+        self.calls: list[tuple[str, int | None]] = []
+
+    def replay(self, request: ReplayRequest) -> ReplayResult:
+        with self.lock:
+            self.calls.append((request.node, request.probe_step))
+            self.running[request.node] += 1
+            self.most_per_node = max(self.most_per_node, self.running[request.node])
+            self.most_at_once = max(self.most_at_once, sum(self.running.values()))
+        try:
+            if self.barrier is not None and request.probe_step is None:
+                self.barrier.wait()
+            time.sleep(self.hold_s)
+            if request.node in self.fail:
+                raise PermanentError("replay", "run", request.node, self.fail[request.node])
+            probe = {"step": request.probe_step} if request.probe_step is not None else None
+            return ReplayResult(request.node, _steps(request), probe)
+        finally:
+            with self.lock:
+                self.running[request.node] -= 1
+
+
+def _base() -> ReplayRequest:
+    return ReplayRequest(
+        job_id="job-b",
+        checkpoint_uri="file:///ckpt-000002.pt",
+        checkpoint_step=2,
+        end=8,
+        node="node-4",
+        spec=JobSpec(world_size=2, seed=1),
+    )
+
+
+def test_the_spares_and_the_suspects_replay_at_once_and_the_verdict_is_unchanged() -> None:
+    runner = OverlapRecorder(together=4)
+    verdict = diagnose(runner, _base(), ["node-1", FAULTY], ["node-4", "node-5"])
+
+    assert verdict.verdict is Verdict.HARDWARE
+    assert verdict.node == FAULTY
+    assert verdict.first_step == 5
+    # two spares and two suspects, then the two probes of step 5: six replays in two rounds
+    first_round = [("node-4", None), ("node-5", None), ("node-1", None), (FAULTY, None)]
+    assert sorted(runner.calls, key=repr) == sorted(
+        [*first_round, (FAULTY, 5), ("node-4", 5)], key=repr
+    )
+    assert runner.most_at_once == 4
+    assert runner.most_per_node == 1
+    assert set(verdict.detail["replays"]) == {"node-4", "node-1", FAULTY}
+
+
+def test_one_spare_replays_twice_one_after_the_other() -> None:
+    runner = OverlapRecorder()
+    verdict = diagnose(runner, _base(), [FAULTY], ["node-4"])
+
+    assert verdict.verdict is Verdict.HARDWARE
+    assert verdict.node == FAULTY
+    assert runner.calls.count(("node-4", None)) == 2
+    assert runner.most_per_node == 1  # never two replays on the spare at once
+
+
+def test_a_clean_suspect_is_inconclusive_after_one_round_of_three_replays_at_once() -> None:
+    runner = OverlapRecorder(together=3)
+    verdict = diagnose(runner, _base(), ["node-1"], ["node-4", "node-5"])
+
+    assert verdict.verdict is Verdict.INCONCLUSIVE
+    assert verdict.node is None
+    assert len(runner.calls) == 3
+
+
+def test_the_first_failure_in_request_order_is_raised_after_every_replay_ended() -> None:
+    runner = OverlapRecorder(fail={"node-5": "spare b broke", FAULTY: "suspect broke"}, together=3)
+    with pytest.raises(PermanentError, match="spare b broke"):
+        diagnose(runner, _base(), [FAULTY], ["node-4", "node-5"])
+    assert sorted(runner.calls) == sorted([("node-4", None), ("node-5", None), (FAULTY, None)])
+    assert sum(runner.running.values()) == 0  # none left running
+
+
+def test_replay_all_returns_results_in_request_order() -> None:
+    base = _base()
+    nodes = ["node-5", "node-4", "node-5", FAULTY]
+    runner = OverlapRecorder(hold_s=0.05)
+    results = replay_all(runner, [replace(base, node=n) for n in nodes])
+    assert [r.node for r in results] == nodes
+    assert runner.most_per_node == 1
