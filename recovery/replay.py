@@ -165,6 +165,10 @@ class VerdictResult:
 
 
 class ReplayRunner(Protocol):
+    """Runs one replay. A runner whose nodes are separate machines says so with a class
+    attribute ``parallel = True``, and a diagnosis then runs its replays of different nodes
+    at once (:mod:`recovery.replay_batch`); without it they run one after the other."""
+
     def replay(self, request: ReplayRequest) -> ReplayResult:
         """Recompute steps ``request.start .. request.end`` on ``request.node``."""
         ...
@@ -246,9 +250,10 @@ def diagnose(
     Invariant: a node is named only when (1) the replay is reproducible — the two spare runs
     agree bit for bit — and (2) the suspect's replay differs from the spares'.
 
-    The replays of different nodes run at once (:func:`~recovery.replay_batch.replay_all`):
-    first the spares and every suspect, then, for the first suspect that differs, the probes
-    of its first diverging step on it and on a spare. The verdict reads them in that order.
+    Two rounds: the spares and every suspect, then, for the first suspect that differs, the
+    probes of its first diverging step on it and on a spare; within a round, a runner whose
+    nodes are separate machines runs the replays of different nodes at once
+    (:func:`~recovery.replay_batch.replay_all`). The verdict reads them in this order.
     """
     if not spare_nodes:
         raise PermanentError("replay", "diagnose", base.job_id, "no spare node to compare against")
@@ -353,7 +358,11 @@ def _summary(result: ReplayResult) -> dict[str, Any]:
 class LocalReplayRunner:
     """Replays as ``sdcguard train --resume-from …`` processes with every rank on one simulated
     node, so a persistent ``KIND@node=NAME`` fault of that node's hardware applies to the replay
-    exactly as it did to training."""
+    exactly as it did to training.
+
+    Its simulated nodes share this host's cores, and a replay's ranks step in lockstep: run side
+    by side, several replays would only slow each other down, so they run one after the other
+    (no ``parallel``)."""
 
     def __init__(
         self,

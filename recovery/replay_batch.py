@@ -1,10 +1,12 @@
 """Run several replays at once: each node's one after the other, different nodes side by side.
 
-A diagnosis needs the same steps recomputed on two spares and on every suspect. Those are
-different machines, so nothing but the runner serialised them: run one after the other, the
-time to a verdict was the sum of the replays (on a cluster each is a Job that waits for its
-pod, its image and its checkpoint; on one host each pays a Python and torch start). Side by
-side it is the longest of them.
+A diagnosis needs the same steps recomputed on two spares and on every suspect. On a cluster
+those are different machines, so nothing but the runner serialised them: run one after the
+other, the time to a verdict was the sum of the replays (each a Job that waits for its pod, its
+image and its checkpoint). Side by side it is the longest of them. A runner says its nodes are
+separate machines with ``parallel = True`` (``KubeReplayRunner``); one whose simulated nodes
+share a host (``LocalReplayRunner``) keeps them one after the other, where lockstep ranks of
+several replays would only slow each other down.
 
 Invariants:
 
@@ -51,7 +53,7 @@ def replay_all(runner: ReplayRunner, requests: Sequence[ReplayRequest]) -> list[
                 )
                 errors[i] = err
 
-    if len(by_node) <= 1:
+    if len(by_node) <= 1 or not getattr(runner, "parallel", False):
         for indices in by_node.values():
             run_node(indices)
     else:

@@ -238,7 +238,12 @@ def parse_replay_log(text: str) -> tuple[list[StepRecord], dict[str, Any] | None
 
 
 class KubeReplayRunner:
-    """Runs a replay as a Job pinned to the node, waits (bounded), reads the pod log back."""
+    """Runs a replay as a Job pinned to the node, waits (bounded), reads the pod log back.
+
+    Each node is a machine of its own: a diagnosis runs its replays of different nodes at once
+    (``parallel``), so the verdict waits for the longest Job, not for their sum."""
+
+    parallel = True
 
     def __init__(
         self,

@@ -40,6 +40,8 @@ class OverlapRecorder:
     started: replays run one by one break that barrier (``BrokenBarrierError``) instead of
     passing."""
 
+    parallel = True  # its nodes are separate machines, as KubeReplayRunner's are
+
     def __init__(
         self, hold_s: float = 0.2, fail: dict[str, str] | None = None, together: int = 0
     ) -> None:
@@ -133,3 +135,36 @@ def test_replay_all_returns_results_in_request_order() -> None:
     results = replay_all(runner, [replace(base, node=n) for n in nodes])
     assert [r.node for r in results] == nodes
     assert runner.most_per_node == 1
+
+
+class SharedHost(OverlapRecorder):
+    """The same runner on one host's cores (no ``parallel``), as ``LocalReplayRunner`` is."""
+
+    parallel = False
+
+
+def test_a_runner_on_one_host_replays_one_at_a_time_with_the_same_verdict() -> None:
+    runner = SharedHost(hold_s=0.05)
+    verdict = diagnose(runner, _base(), ["node-1", FAULTY], ["node-4", "node-5"])
+
+    assert verdict.verdict is Verdict.HARDWARE
+    assert verdict.node == FAULTY
+    assert verdict.first_step == 5
+    assert runner.most_at_once == 1
+    # in request order: the spares, the suspects, then the probes
+    assert runner.calls == [
+        ("node-4", None),
+        ("node-5", None),
+        ("node-1", None),
+        (FAULTY, None),
+        (FAULTY, 5),
+        ("node-4", 5),
+    ]
+
+
+def test_the_local_runner_keeps_one_host_sequential_and_the_kube_runner_does_not() -> None:
+    from recovery.replay import LocalReplayRunner
+    from recovery.replay_kube import KubeReplayRunner
+
+    assert not getattr(LocalReplayRunner, "parallel", False)
+    assert KubeReplayRunner.parallel is True
