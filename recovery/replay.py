@@ -25,7 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -250,25 +250,32 @@ def diagnose(
     Invariant: a node is named only when (1) the replay is reproducible — the two spare runs
     agree bit for bit — and (2) the suspect's replay differs from the spares'.
 
-    Two rounds: the spares and every suspect, then, for the first suspect that differs, the
-    probes of its first diverging step on it and on a spare; within a round, a runner whose
-    nodes are separate machines runs the replays of different nodes at once
-    (:func:`~recovery.replay_batch.replay_all`). The verdict reads them in this order.
+    A runner whose nodes are separate machines (``parallel``) replays in two rounds, the
+    replays of different nodes at once (:func:`~recovery.replay_batch.replay_all`): the spares
+    and every suspect, then the probes of the first differing suspect's first diverging step
+    on it and on a spare. Any other replays one by one, each suspect only once the spares
+    agree. The verdict reads the replays in the same order either way.
     """
     if not spare_nodes:
         raise PermanentError("replay", "diagnose", base.job_id, "no spare node to compare against")
     spare_a_node = spare_nodes[0]
     spare_b_node = spare_nodes[1] if len(spare_nodes) > 1 else spare_nodes[0]
-    # The spares and every suspect recompute the same steps, each on its own machine: at once
-    # (recovery.replay_batch); the verdict reads them in this order, as if they ran one by one.
+    # Where the nodes are separate machines, the suspects replay beside the spares (one round);
+    # elsewhere each suspect only once the spares agree, and only until one differs.
+    at_once = getattr(runner, "parallel", False)
     first = replay_all(
         runner,
         [
             replace(base, node=node, probe_step=None)
-            for node in (spare_a_node, spare_b_node, *suspect_nodes)
+            for node in (spare_a_node, spare_b_node, *(suspect_nodes if at_once else ()))
         ],
     )
-    spare_a, spare_b, on_suspects = first[0], first[1], first[2:]
+    spare_a, spare_b = first[0], first[1]
+    on_suspects: Iterator[ReplayResult] = (
+        iter(first[2:])
+        if at_once
+        else (runner.replay(replace(base, node=s, probe_step=None)) for s in suspect_nodes)
+    )
     replayed = {spare_a_node: _summary(spare_a)}
     nondet = first_mismatch(spare_a.steps, spare_b.steps)
     if nondet is not None:
@@ -283,10 +290,8 @@ def diagnose(
             detail={"replays": replayed},
         )
 
-    replayed.update(
-        {node: _summary(result) for node, result in zip(suspect_nodes, on_suspects, strict=True)}
-    )
     for suspect, result in zip(suspect_nodes, on_suspects, strict=True):
+        replayed[suspect] = _summary(result)
         step = first_mismatch(result.steps, spare_a.steps)
         if step is None:
             continue

@@ -168,3 +168,11 @@ def test_the_local_runner_keeps_one_host_sequential_and_the_kube_runner_does_not
 
     assert not getattr(LocalReplayRunner, "parallel", False)
     assert KubeReplayRunner.parallel is True
+
+
+def test_on_one_host_no_suspect_replays_when_the_spares_disagree() -> None:
+    runner = SharedHost(hold_s=0.0)
+    verdict = diagnose(runner, _base(), ["node-1"], ["node-4", FAULTY])
+
+    assert verdict.verdict is Verdict.SOFTWARE
+    assert runner.calls == [("node-4", None), (FAULTY, None)]  # the spares only
