@@ -15,7 +15,8 @@ Invariants:
   devices and neither's timing bears on the other's result.
 * **The outcome does not depend on the schedule.** Results come back in request order; if
   replays fail, every other still runs to its end and the first failure *in request order* is
-  raised, so a failure reads the same as when the replays ran one by one.
+  raised, so a failure reads the same as when the replays ran one by one. A runner without
+  ``parallel`` runs them exactly so: in request order, stopping at the first failure.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def replay_all(runner: ReplayRunner, requests: Sequence[ReplayRequest]) -> list[
                 errors[i] = err
 
     if len(by_node) <= 1 or not getattr(runner, "parallel", False):
-        for indices in by_node.values():
-            run_node(indices)
+        # one after the other in request order, stopping at the first failure
+        return [runner.replay(request) for request in requests]
     else:
         with ThreadPoolExecutor(max_workers=len(by_node), thread_name_prefix="replay") as pool:
             for done in [pool.submit(run_node, indices) for indices in by_node.values()]:

@@ -176,3 +176,11 @@ def test_on_one_host_no_suspect_replays_when_the_spares_disagree() -> None:
 
     assert verdict.verdict is Verdict.SOFTWARE
     assert runner.calls == [("node-4", None), (FAULTY, None)]  # the spares only
+
+
+def test_on_one_host_replays_run_in_request_order_and_stop_at_the_first_failure() -> None:
+    runner = SharedHost(hold_s=0.0, fail={"node-4": "spare a broke"})
+    requests = [replace(_base(), node=n) for n in ("node-5", "node-4", "node-5", FAULTY)]
+    with pytest.raises(PermanentError, match="spare a broke"):
+        replay_all(runner, requests)
+    assert runner.calls == [("node-5", None), ("node-4", None)]
