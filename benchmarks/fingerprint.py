@@ -9,9 +9,9 @@ interleaved repeat by repeat:
 * ``fused``: :func:`detection.fingerprint.fingerprint_on_device` with the fused kernel;
 * ``eager``: the same with the eager kernel (the fallback without a compiler);
 * ``plan``: the per-step :class:`~detection.fingerprint.FingerprintPlan` a guard keeps for its
-  weights, under ``fused``: up to 4M elements on CPU it compiles a pass that reads each word's
-  multiplier from a table it holds (one 64-bit multiplication a word instead of three); above
-  that it is ``fused``;
+  weights, under ``fused``: up to 4M elements on a CPU without a native 64-bit vector multiply
+  (AVX2) it compiles a pass that reads each word's multiplier from a table it holds (one 64-bit
+  multiplication a word instead of three); above that, and on AVX-512, it is ``fused``;
 * ``naive``: the reference formula, every tensor widened to int64 at once.
 
 It prints medians, the ratio fused / torch.sum against the 1.5 target (and the ratio of the

@@ -83,9 +83,11 @@ element), except by ``eager`` on small lists, which reads them from a cached tab
 On a CPU whose vector unit has no 64-bit multiply (AVX2, NEON: see
 :func:`cpu_compile_options`) the compiled kernels are scalar code, which runs them about twice
 as fast as Inductor's emulated vector lanes. The per-step :class:`FingerprintPlan` (a guard's
-weights, buffers) goes further on CPU: for a list ``fused`` would take it compiles one pass per
-tensor that reads each word's multiplier from a table it holds (one multiplication a word
-instead of three, 8 bytes an element; :mod:`detection.fingerprint_plan`).
+weights, buffers) goes further on such a CPU: for a list ``fused`` would take it compiles one
+pass per tensor that reads each word's multiplier from a table it holds (one multiplication a
+word instead of three, 8 bytes an element; :mod:`detection.fingerprint_plan`). Where the vector
+unit multiplies 64-bit lanes natively, the plan keeps the vectorised fused kernel, which is
+faster there.
 
 Neither kernel reads a value back to the host: ``fingerprint_on_device`` returns a device
 tensor, so the vote can all-gather it without a synchronisation. All device-side sums and

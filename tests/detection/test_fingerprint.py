@@ -419,13 +419,17 @@ def test_a_small_plan_under_the_fused_kernel_takes_the_table_and_compiles_nothin
 
 
 @pytest.mark.parametrize("start", [123, (1 << 22) + 5], ids=["in-table", "beyond-table"])
-def test_a_large_cpu_plan_under_the_fused_kernel_takes_the_compiled_table(start: int) -> None:
-    """A list the fused kernel would take, on CPU: the plan compiles one pass per tensor over
-    the words and the multipliers it holds instead of recomputing splitmix64 per word — the
-    same bits as the definition for every word size, with wrapping sums, placed from an
-    offset (inside the shared table: a view of it; beyond it: computed for these positions),
-    and following in-place updates of the live tensors."""
+def test_a_large_cpu_plan_under_the_fused_kernel_takes_the_compiled_table(
+    monkeypatch: pytest.MonkeyPatch, start: int
+) -> None:
+    """A list the fused kernel would take, on a CPU without a native 64-bit vector multiply
+    (AVX2): the plan compiles one pass per tensor over the words and the multipliers it holds
+    instead of recomputing splitmix64 per word — the same bits as the definition for every word
+    size, with wrapping sums, placed from an offset (inside the shared table: a view of it;
+    beyond it: computed for these positions), and following in-place updates of the live
+    tensors."""
     assert (start < fp._TABLE_MAX) == (start == 123)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     fp.set_kernel(Kernel.FUSED)
     gen = torch.Generator().manual_seed(27)
     tensors = [
@@ -453,6 +457,58 @@ def test_a_large_cpu_plan_under_the_fused_kernel_takes_the_compiled_table(start:
     assert torch.equal(plan(), fingerprint_on_device(tensors, start=start))
 
 
+def _large_list(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        random_bits((fp._FUSED_MIN_ELEMENTS + 3,), torch.float32, gen),
+        random_bits((7, 5), torch.bfloat16, gen),
+    ]
+
+
+@pytest.mark.parametrize("capability", ["AVX512", "SVE256"])
+def test_a_large_cpu_plan_keeps_the_fused_kernel_where_vectors_multiply_64_bit_lanes(
+    monkeypatch: pytest.MonkeyPatch, capability: str
+) -> None:
+    """Where the vector unit multiplies 64-bit lanes natively, recomputing splitmix64 per word
+    outruns reading an 8-byte multiplier: the plan holds no table and compiles none, its list
+    runs on the fused kernel (its layout admitted there), and the bits are the definition's,
+    following in-place updates."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(fp_plan, "_KERNELS", fp_plan._TableKernels())
+    # the process's budget of fused layouts, whatever earlier tests in it compiled
+    monkeypatch.setattr(fp._STATE, "layouts", set())
+    monkeypatch.setattr(fp._STATE, "refused", set())
+    fp.set_kernel(Kernel.AUTO)
+    tensors = _large_list(29)
+    offsets = [0, tensors[0].numel()]
+    plan = fp.FingerprintPlan(tensors)
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+    assert plan._ordered is None  # no compiled table
+    assert plan._words is None  # and no eager one
+    assert fp._layout(tensors) in fp._STATE.layouts  # the fused kernel's
+    assert not fp_plan._KERNELS.layouts  # nothing compiled for a table
+    tensors[0][5] += 1.0
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+
+
+def test_with_the_fused_kernel_full_an_avx512_plan_takes_the_compiled_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fused kernel compiles at most ``_MAX_FUSED_LAYOUTS`` layouts a process; a plan that
+    finds no room there keeps the compiled table rather than the slow chunked eager kernel."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(fp_plan, "_KERNELS", fp_plan._TableKernels())
+    taken = {("another layout", i) for i in range(fp._MAX_FUSED_LAYOUTS)}
+    monkeypatch.setattr(fp._STATE, "layouts", taken)
+    monkeypatch.setattr(fp._STATE, "refused", set())
+    fp.set_kernel(Kernel.AUTO)
+    tensors = _large_list(30)
+    plan = fp.FingerprintPlan(tensors)
+    assert fingerprint_from_tensor(plan()) == reference(tensors, [0, tensors[0].numel()])
+    assert plan._ordered is not None  # the compiled table
+    assert fp._layout(tensors) not in fp._STATE.layouts
+
+
 @pytest.mark.parametrize(("kernel", "raises"), [(Kernel.AUTO, False), (Kernel.FUSED, True)])
 def test_a_compiled_table_that_fails_to_compile_falls_back_or_raises(
     monkeypatch: pytest.MonkeyPatch,
@@ -460,9 +516,11 @@ def test_a_compiled_table_that_fails_to_compile_falls_back_or_raises(
     kernel: Kernel,
     raises: bool,
 ) -> None:
-    """A compiler that fails (no C++ toolchain on the host): under ``auto`` the plan logs a
-    warning and takes the eager table with the same result; under ``fused``, where the user
-    asked for the compiled kernel, it raises :class:`FusedKernelUnavailable`."""
+    """A compiler that fails (no C++ toolchain on the host) on a CPU where the plan compiles a
+    table (AVX2): under ``auto`` the plan logs a warning and takes the eager table with the same
+    result; under ``fused``, where the user asked for the compiled kernel, it raises
+    :class:`FusedKernelUnavailable`."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
 
     def broken(*args: object, **kwargs: object) -> object:
         def call(*a: object, **k: object) -> torch.Tensor:
