@@ -193,3 +193,49 @@ def test_a_replay_rerun_after_a_crash_gets_a_job_of_its_own(
     assert kubelet.launched[-1]["spec"]["containers"][0]["resources"]["limits"] == {
         "nvidia.com/gpu": "1"
     }
+
+
+def test_replays_of_two_nodes_run_as_jobs_side_by_side(
+    tmp_path: Path, fake_kube: FakeKube, kube_client: k8s.ApiClient
+) -> None:
+    """A diagnosis's replays of different nodes (``replay_all`` on the parallel Kubernetes
+    runner) are Jobs whose pods run at the same time. Each pod here waits until both pods run
+    before it prints its trace: a rendezvous that Jobs run one after the other never reach (the
+    first pod gives up after 30 s and fails, and so does the replay)."""
+    from recovery.replay import UserJobTemplate
+    from recovery.replay_batch import replay_all
+    from tests.recovery.fake_kubelet import FakeKubelet
+
+    running = tmp_path / "running"
+    running.mkdir()
+    line = '{"step": 3, "losses": [1.0], "grad_fingerprints": [], "weight_fingerprint": "00"}'
+    script = (
+        "import os, pathlib, sys, time\n"
+        f"here = pathlib.Path({str(running)!r})\n"
+        "(here / str(os.getpid())).touch()\n"
+        "deadline = time.monotonic() + 30\n"
+        "while len(list(here.iterdir())) < 2:\n"
+        "    if time.monotonic() > deadline:\n"
+        "        sys.exit('no other replay ran alongside this one')\n"
+        "    time.sleep(0.05)\n"
+        f"print({TRACE_BEGIN!r}); print({line!r}); print({END!r})\n"
+    )
+    template = {"spec": {"containers": [{"name": "pytorch", "image": "u:1",
+                                         "command": ["python", "-c", script]}]}}  # fmt: skip
+    spec = JobSpec(
+        world_size=1, seed=0, template=UserJobTemplate("job-k", "training", template, gpus=1)
+    )
+    nodes = ["gpu-node-7", "gpu-node-8"]
+    requests = [
+        ReplayRequest("job-k", "s3://b/ckpt-000002.pt", 2, 3, node=node, spec=spec)
+        for node in nodes
+    ]
+    kubelet = FakeKubelet(fake_kube, tmp_path).start()
+    try:
+        results = replay_all(KubeReplayRunner(kube_client, poll_interval_s=0.01), requests)
+    finally:
+        kubelet.stop()
+    assert [r.node for r in results] == nodes
+    assert [[s.step for s in r.steps] for r in results] == [[3], [3]]
+    assert sorted(p["spec"]["nodeName"] for p in kubelet.launched) == nodes
+    assert len(list(running.iterdir())) == 2  # one pod each, both running at once
