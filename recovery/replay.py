@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from recovery.errors import PermanentError, TemporaryError
-from recovery.replay_batch import replay_all
+from recovery.replay_batch import nodes_are_machines, replay_all
 
 __all__ = [
     "JobSpec",
@@ -262,7 +262,7 @@ def diagnose(
     spare_b_node = spare_nodes[1] if len(spare_nodes) > 1 else spare_nodes[0]
     # Where the nodes are separate machines, the suspects replay beside the spares (one round);
     # elsewhere each suspect only once the spares agree, and only until one differs.
-    at_once = getattr(runner, "parallel", False)
+    at_once = nodes_are_machines(runner)
     first = replay_all(
         runner,
         [

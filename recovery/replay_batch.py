@@ -29,9 +29,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from recovery.replay import ReplayRequest, ReplayResult, ReplayRunner
 
-__all__ = ["replay_all"]
+__all__ = ["nodes_are_machines", "replay_all"]
 
 log = logging.getLogger(__name__)
+
+
+def nodes_are_machines(runner: ReplayRunner) -> bool:
+    """Whether ``runner``'s nodes are separate machines: its class says ``parallel = True``
+    (an optional attribute of the :class:`~recovery.replay.ReplayRunner` protocol; a runner
+    that does not say so, or says anything else, replays one at a time)."""
+    return getattr(runner, "parallel", False) is True
 
 
 def replay_all(runner: ReplayRunner, requests: Sequence[ReplayRequest]) -> list[ReplayResult]:
@@ -54,7 +61,7 @@ def replay_all(runner: ReplayRunner, requests: Sequence[ReplayRequest]) -> list[
                 )
                 errors[i] = err
 
-    if len(by_node) <= 1 or not getattr(runner, "parallel", False):
+    if len(by_node) <= 1 or not nodes_are_machines(runner):
         # one after the other in request order, stopping at the first failure
         return [runner.replay(request) for request in requests]
     else:

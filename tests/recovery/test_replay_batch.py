@@ -12,12 +12,13 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from recovery.errors import PermanentError
 from recovery.replay import JobSpec, ReplayRequest, ReplayResult, StepRecord, Verdict, diagnose
-from recovery.replay_batch import replay_all
+from recovery.replay_batch import nodes_are_machines, replay_all
 
 FAULTY = "node-2"
 
@@ -162,12 +163,27 @@ def test_a_runner_on_one_host_replays_one_at_a_time_with_the_same_verdict() -> N
     ]
 
 
-def test_the_local_runner_keeps_one_host_sequential_and_the_kube_runner_does_not() -> None:
+def test_the_local_runner_keeps_one_host_sequential_and_the_kube_runner_does_not(
+    tmp_path: Path,
+) -> None:
+    from kubernetes import client as k8s
+
     from recovery.replay import LocalReplayRunner
     from recovery.replay_kube import KubeReplayRunner
 
-    assert not getattr(LocalReplayRunner, "parallel", False)
-    assert KubeReplayRunner.parallel is True
+    assert not nodes_are_machines(LocalReplayRunner(tmp_path))
+    assert nodes_are_machines(KubeReplayRunner(k8s.ApiClient()))
+
+
+def test_only_a_runner_that_says_parallel_is_true_runs_side_by_side() -> None:
+    """An attribute that merely reads as true (a method, a string) is no such statement."""
+
+    class Vague(SharedHost):
+        parallel = "yes"  # type: ignore[assignment]
+
+    assert nodes_are_machines(OverlapRecorder(hold_s=0.0))
+    assert not nodes_are_machines(SharedHost(hold_s=0.0))
+    assert not nodes_are_machines(Vague(hold_s=0.0))
 
 
 def test_on_one_host_no_suspect_replays_when_the_spares_disagree() -> None:
