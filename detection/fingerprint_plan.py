@@ -22,7 +22,8 @@ It holds the multipliers of its positions (8 bytes an element) and picks, once p
   that multiplies 64-bit lanes natively (AVX-512, SVE), where the vectorised kernel outruns the
   table's extra 8 bytes a word (2.7M words on one Zen 5 core: 0.66 against 0.99 ms); lists
   beyond the table; non-contiguous tensors. When the fused kernel has no room left for another
-  layout (``_MAX_FUSED_LAYOUTS``), such a CPU takes the compiled table after all.
+  layout (``_MAX_FUSED_LAYOUTS``), such a CPU takes the compiled table after all; when
+  compiling the fused kernel fails (under ``auto``), the eager table from the next call on.
 
 Each call checks that every tensor still has the same storage address, shape, stride and dtype
 (a parameter whose ``.data`` was replaced, an optimizer state created later) and rebuilds when
@@ -163,6 +164,8 @@ class FingerprintPlan:
         self._starts: tuple[int, ...] = ()
         self._layout: tuple[object, ...] | None = None
         self._live: list[torch.Tensor] = []  # the tensors, detached, as of the last build
+        # The fused kernel's layout, when the plan runs on it (a CPU with 64-bit vector lanes).
+        self._fused: tuple[object, ...] | None = None
 
     def _signature(self) -> _Key:
         return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
@@ -171,7 +174,7 @@ class FingerprintPlan:
         ts = _prepare(self.tensors)
         self._key, self._groups, self._words, self._mult = key, [], None, None
         self._pair = None
-        self._ordered, self._layout, self._live = None, None, []
+        self._ordered, self._layout, self._live, self._fused = None, None, [], None
         self._device = ts[0].device if ts else None
         where = _offsets(ts, None, self._start)
         contiguous = all(t.is_contiguous() for t in ts)  # else the view would be a copy
@@ -183,7 +186,8 @@ class FingerprintPlan:
         if fused and numel > _PLAN_EAGER_MAX:
             cpu = ts[0].device.type == "cpu"
             if cpu and _recomputing_is_cheaper() and _use_fused(ts):
-                return  # fingerprint_on_device's fused kernel, its layout now admitted
+                self._fused = _layout(ts)  # fingerprint_on_device's kernel, its layout admitted
+                return
             compiled = (
                 cpu and all(t.dtype in _FUSED_DTYPES for t in ts) and _KERNELS.admit(_layout(ts))
             )
@@ -271,6 +275,14 @@ class FingerprintPlan:
             self._build(key)
         if self._device is None:
             return torch.zeros(2, dtype=torch.int64)
+        if self._fused is not None:
+            if self._fused not in _STATE.failed:
+                return fingerprint_on_device(self.tensors, start=self._start)
+            # Compiling it failed (the fused kernel logged why, and its call still answered
+            # with the eager kernel): this list takes the eager table from now on.
+            self._fused = None
+            ts = _prepare(self.tensors)
+            self._build_eager(ts, _offsets(ts, None, self._start))
         if self._ordered is not None:
             out = self._compiled(self._ordered)
             if out is not None:

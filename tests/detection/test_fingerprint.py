@@ -509,6 +509,39 @@ def test_with_the_fused_kernel_full_an_avx512_plan_takes_the_compiled_table(
     assert fp._layout(tensors) not in fp._STATE.layouts
 
 
+def test_an_avx512_plan_whose_fused_kernel_fails_to_compile_takes_the_eager_table(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No C++ compiler on an AVX-512 host, under ``auto``: the fused kernel's first call logs
+    a warning and still answers (eager), and from then on the plan reads its own eager table
+    (one widening and one product a call) rather than the chunked kernel; the same bits."""
+
+    def broken(*args: object, **kwargs: object) -> object:
+        def call(*a: object, **k: object) -> torch.Tensor:
+            raise RuntimeError("no C++ compiler")
+
+        return call
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setattr(fp._STATE, "layouts", set())
+    monkeypatch.setattr(fp._STATE, "failed", set())
+    monkeypatch.setattr(fp._STATE, "refused", set())
+    monkeypatch.setattr(fp._STATE, "_compiled", {})  # no kernel compiled before this test
+    fp.set_kernel(Kernel.AUTO)
+    tensors = _large_list(31)
+    offsets = [0, tensors[0].numel()]
+    plan = fp.FingerprintPlan(tensors)
+    with caplog.at_level("WARNING", logger="detection.fingerprint"):
+        first = plan()
+    assert any("torch.compile failed" in r.getMessage() for r in caplog.records)
+    assert fingerprint_from_tensor(first) == reference(tensors, offsets)
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+    assert plan._words is not None  # the eager table now
+    tensors[0][2] += 1.0
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+
+
 @pytest.mark.parametrize(("kernel", "raises"), [(Kernel.AUTO, False), (Kernel.FUSED, True)])
 def test_a_compiled_table_that_fails_to_compile_falls_back_or_raises(
     monkeypatch: pytest.MonkeyPatch,
