@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from recovery.errors import PermanentError
-from recovery.replay import JobSpec, ReplayRequest, ReplayResult, StepRecord, Verdict, diagnose
+from recovery.replay import (
+    JobSpec,
+    ReplayRequest,
+    ReplayResult,
+    StepRecord,
+    Verdict,
+    VerdictResult,
+    diagnose,
+)
 from recovery.replay_batch import nodes_are_machines, replay_all
 
 FAULTY = "node-2"
@@ -85,13 +93,19 @@ def _base() -> ReplayRequest:
     )
 
 
+def _names_the_faulty_node_at_step_5(verdict: VerdictResult) -> None:
+    """The verdict every schedule must reach on ``_base()``: the fault of ``FAULTY`` from
+    step 5."""
+    assert verdict.verdict is Verdict.HARDWARE
+    assert verdict.node == FAULTY
+    assert verdict.first_step == 5
+
+
 def test_the_spares_and_the_suspects_replay_at_once_and_the_verdict_is_unchanged() -> None:
     runner = OverlapRecorder(together=4)
     verdict = diagnose(runner, _base(), ["node-1", FAULTY], ["node-4", "node-5"])
 
-    assert verdict.verdict is Verdict.HARDWARE
-    assert verdict.node == FAULTY
-    assert verdict.first_step == 5
+    _names_the_faulty_node_at_step_5(verdict)
     # two spares and two suspects, then the two probes of step 5: six replays in two rounds
     first_round = [("node-4", None), ("node-5", None), ("node-1", None), (FAULTY, None)]
     assert sorted(runner.calls, key=repr) == sorted(
@@ -148,9 +162,7 @@ def test_a_runner_on_one_host_replays_one_at_a_time_with_the_same_verdict() -> N
     runner = SharedHost(hold_s=0.05)
     verdict = diagnose(runner, _base(), ["node-1", FAULTY], ["node-4", "node-5"])
 
-    assert verdict.verdict is Verdict.HARDWARE
-    assert verdict.node == FAULTY
-    assert verdict.first_step == 5
+    _names_the_faulty_node_at_step_5(verdict)
     assert runner.most_at_once == 1
     # in request order: the spares, the suspects, then the probes
     assert runner.calls == [
