@@ -3,6 +3,8 @@
 #
 #   syncs        host synchronisations a guarded step adds, counted with the profiler
 #                (benchmarks/cuda_syncs.py, world size 1, NCCL);
+#   launches     where a guarded step's host time goes: step times, kernel launches and each
+#                detection function's host and device time (benchmarks/cuda_launches.py);
 #   overhead-1   guarded / plain DDP step time, world size 1 (NCCL), both models;
 #   fingerprint  the weight fingerprint and the per-step statistics pass against torch.sum, on
 #                the GPU, every fingerprint checked against the CPU's (benchmarks/fingerprint.py);
@@ -45,6 +47,7 @@ for i in range(torch.cuda.device_count()):
 print("host CPUs", os.cpu_count(), "load", os.getloadavg()[0])
 '
 part syncs "${SYNCS_LIMIT:-240}" "$py" benchmarks/cuda_syncs.py --steps 20
+part launches "${LAUNCHES_LIMIT:-240}" "$py" benchmarks/cuda_launches.py --rounds 30 --steps 5
 part overhead-1 "${OVERHEAD1_LIMIT:-300}" "$py" benchmarks/overhead.py --device cuda \
     --world-size 1 --rounds "${ROUNDS:-200}" --small-rounds "${SMALL_ROUNDS:-400}"
 part fingerprint "${FINGERPRINT_LIMIT:-240}" "$py" benchmarks/fingerprint.py --device cuda

@@ -28,6 +28,11 @@ It holds the multipliers of its positions (8 bytes an element) and picks, once p
 Each call checks that every tensor still has the same storage address, shape, stride and dtype
 (a parameter whose ``.data`` was replaced, an optimizer state created later) and rebuilds when
 one changed, so the result is always that of the live tensors.
+
+On a GPU, whichever kernel a plan runs, its ops are captured once as a CUDA graph
+(:class:`~detection.device_graph.GraphedCall`) and replayed from then on: one launch a call
+instead of one an op, two a tensor for the fused kernel. That check is what makes the replay
+exact: a rebuild drops the graph.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from detection.device_graph import GraphedCall
 from detection.fingerprint import (
     _FUSED_DTYPES,
     _FUSED_MIN_ELEMENTS,
@@ -164,13 +170,16 @@ class FingerprintPlan:
         self._starts: tuple[int, ...] = ()
         self._layout: tuple[object, ...] | None = None
         self._live: list[torch.Tensor] = []  # the tensors, detached, as of the last build
-        # The fused kernel's layout, when the plan runs on it (a CPU with 64-bit vector lanes).
+        # The fused kernel's layout, when the plan runs on it (a GPU, a CPU with 64-bit lanes).
         self._fused: tuple[object, ...] | None = None
+        # On a GPU, the ops of one call captured as a CUDA graph: one launch a step.
+        self._graphed = GraphedCall(self._compute, what="fingerprint plan")
 
     def _signature(self) -> _Key:
         return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
 
     def _build(self, key: _Key) -> None:
+        self._graphed.reset()  # a graph reads the old addresses and buffers
         ts = _prepare(self.tensors)
         self._key, self._groups, self._words, self._mult = key, [], None, None
         self._pair = None
@@ -215,6 +224,7 @@ class FingerprintPlan:
         self._live = ts
 
     def _build_eager(self, ts: list[torch.Tensor], where: list[int]) -> None:
+        self._graphed.reset()
         device = ts[0].device
         groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for t, o in zip(ts, where, strict=True):
@@ -273,6 +283,10 @@ class FingerprintPlan:
         key = self._signature()
         if key != self._key:
             self._build(key)
+        return self._graphed()
+
+    def _compute(self) -> torch.Tensor:
+        """One call's device work, for the tensors of the current build."""
         if self._device is None:
             return torch.zeros(2, dtype=torch.int64)
         if self._fused is not None:

@@ -9,7 +9,8 @@ flag on the device; the guard all-gathers it with the step's row, so it costs no
 synchronisation. A model's state has two or three tensors a parameter, most of them biases and
 norms, so the ops are many: 2.7M parameters in 30 tensors gave 60 state tensors and took about
 125 ops a step (a sum and a widening each); the small ones joined and the sums folded as they
-are, about 25. On a GPU each op is a kernel launch.
+are, about 25. On a GPU each op is a kernel launch, so there they are captured once as a CUDA
+graph and replayed, one launch a step (:mod:`detection.device_graph`).
 
 Invariant: the flag is 1 when some state element is NaN or ±Inf (or a float32 sum of it overflows).
 """
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from detection.device_graph import GraphedCall
 from detection.nonfinite import nonfinite_flag
 from detection.vote import optimizer_state_slots
 
@@ -65,6 +67,8 @@ class StateFlag:
         self._alone: list[torch.Tensor] = []  # summed one by one
         self._buffer: torch.Tensor | None = None
         self._one_device = True
+        # On a GPU the sums and the fold, captured once as a CUDA graph: one launch a step.
+        self._graphed = GraphedCall(self._compute, what="optimizer-state flag")
 
     def _valid(self) -> bool:
         # map() over the cached columns: the loop runs in C, a per-step cost on small models
@@ -78,6 +82,7 @@ class StateFlag:
         )
 
     def _rebuild(self) -> None:
+        self._graphed.reset()  # a graph reads the old tensors and buffer
         state = self.optimizer.state
         self._state, self._entries = state, len(state)
         slots = optimizer_state_slots(self.optimizer, self.params)
@@ -117,6 +122,10 @@ class StateFlag:
         Inf."""
         if not self._valid():
             self._rebuild()
+        # a state spread over several devices is summed op by op: one graph runs on one device
+        return self._graphed() if self._one_device else self._compute()
+
+    def _compute(self) -> torch.Tensor:
         if not self._flat:
             return torch.zeros(1, dtype=torch.int64, device=self.device)
         # Float32 sums (a NaN or an Inf anywhere makes its sum non-finite; cheaper on CPU than a
