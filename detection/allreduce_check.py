@@ -10,10 +10,11 @@ The comm hook takes ``S[s] = Σ_i g[s, i]`` and ``N[s] = ‖g[s]‖₂`` before 
 ``C = 64`` elements (any order inside a chunk: error at most ``gamma(C - 1)`` times the chunk's
 absolute sum), added up in float64 (exact conversions). A plain float64 accumulation would be
 tighter but costs 20x a float32 pass on CPU over a large bucket; a float32 sum of the whole
-bucket has no bound worth having (``gamma(n)``). A bucket of at most ``WIDE_MAX`` elements is
-summed in float64 outright: there the cost is the number of ops, not the pass (one instead of
-eight), and its error, at most ``gamma_v(n - 1)`` times the absolute sum, is below the chunked
-one's ``gamma(C - 1) + gamma_v(n/C + 1)``, so the bound ``B`` below holds for it unchanged.
+bucket has no bound worth having (``gamma(n)``). A bucket of at most ``WIDE_MAX`` elements, and
+every bucket on a GPU, is summed in float64 outright: there the cost is the number of ops (kernel
+launches on a GPU), not the pass (one instead of six), and its error, at most
+``gamma_v(n - 1)`` times the absolute sum in any order, is below the chunked one's
+``gamma(C - 1) + gamma_v(n/C + 1)``, so the bound ``B`` below holds for it unchanged.
 ``N[s]`` is float32 ``vector_norm``, whatever its order within
 ``(1 - u)^-1 (1 - gamma(n))^-1/2`` of the truth (used as an inflation factor ``rho``).
 
@@ -89,8 +90,10 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
 def chunked_sum(flat: torch.Tensor) -> torch.Tensor:
     """Σ of a 1-D tensor as a float64 scalar on its device: float32 chunks of :data:`CHUNK`
     elements added in float64 (the error model of :func:`reduction_bound`); a bucket of at most
-    :data:`WIDE_MAX` elements in float64 outright, which that model covers too."""
-    if flat.numel() <= WIDE_MAX:
+    :data:`WIDE_MAX` elements, and any bucket on a GPU, in float64 outright, which that model
+    covers too (its error is below the chunked one's). On a GPU the pass is memory-bound
+    whatever the accumulator, and one op is one kernel launch where the chunks take six."""
+    if flat.numel() <= WIDE_MAX or flat.device.type != "cpu":
         return flat.sum(dtype=torch.float64)
     acc = _accumulation(flat.dtype)
     head = flat.numel() - flat.numel() % CHUNK
