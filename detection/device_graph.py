@@ -18,9 +18,9 @@ overwritten by the next replay.
 Invariant: a replay computes exactly what the function would, *as long as it reads the same
 tensors at the same addresses*. The owner (a fingerprint plan, the state flag) already checks
 that before every call and must call :meth:`GraphedCall.reset` whenever it rebuilds. Anything
-else stays eager: a CPU tensor, a function that returned something else than one CUDA tensor,
-and a function whose capture failed (logged once with the reason, never raised: the eager call
-still answers). The capture is ``thread_local``: a user's thread that touches CUDA meanwhile is
+else stays eager: a function whose result is not on a CUDA device (a CPU plan, an empty list),
+and one whose capture failed (logged once with the reason, never raised: the eager call still
+answers). The capture is ``thread_local``: a user's thread that touches CUDA meanwhile is
 not disturbed by it.
 """
 
