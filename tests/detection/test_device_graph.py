@@ -53,12 +53,21 @@ def test_on_the_cpu_every_call_is_the_functions_own_and_nothing_is_captured() ->
 
 
 def test_a_cpu_plan_and_flag_still_answer_through_the_wrapper() -> None:
+    """Each call reads the tensors as they are now: the wrapper keeps no result on a CPU."""
     fp.set_kernel(Kernel.EAGER)
     layer = nn.Linear(6, 4)
+    optimizer = torch.optim.Adam(layer.parameters())
     plan = FingerprintPlan(layer.parameters())
+    flag = StateFlag(optimizer, list(layer.parameters()), torch.device("cpu"))
     for _ in range(3):
+        layer(torch.randn(5, 6)).sum().backward()
+        optimizer.step()
         assert fingerprint_from_tensor(plan()) == reference(list(layer.parameters()))
+        assert flag().tolist() == [0]
+    optimizer.state[layer.bias]["exp_avg_sq"][1] = math.inf
+    assert flag().tolist() == [1]
     assert not plan._graphed.captured
+    assert not flag._graphed.captured
 
 
 def _cuda_model() -> nn.Module:
