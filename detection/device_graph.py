@@ -41,8 +41,9 @@ class _Switch:
 
 
 def set_graphs_enabled(enabled: bool) -> None:
-    """Turn the capture on or off for every :class:`GraphedCall` created or reset afterwards
-    (on by default; off measures the eager path, or avoids graphs under a debugger)."""
+    """Turn the capture on or off for every :class:`GraphedCall` created afterwards (on by
+    default; off measures the eager path, or avoids graphs under a debugger). A call keeps the
+    choice it was made with, through its resets."""
     _Switch.enabled = enabled
 
 
