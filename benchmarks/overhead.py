@@ -8,6 +8,9 @@ optimizer:
   non-finite checks around all-reduce, the weight fingerprint vote, one all-gather per step,
   and the per-step layer (gradient statistics, algebraic all-reduce check, optimizer-state
   check: its row rides in the same all-gather);
+* ``torch``    — ``checks`` with :mod:`detection.native`'s C kernels switched off: the per-step
+  sums, fingerprints and state flag on torch's ops (a host without a C compiler, or
+  ``SDCGUARD_NATIVE=0``), so the two rows say what the kernels save;
 * ``defer``    — ``checks`` with ``defer_decision=True``: the row carried in the next step's
   gradient all-reduce and read at that step's end, no collective of the guard's own (the
   decision comes a step later);
@@ -55,6 +58,7 @@ two cores, most of it the one-time compilation of the fingerprint kernel in each
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -63,6 +67,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -73,6 +78,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from detection import native
 from detection.audit import seed_rng, step_seed
 from detection.fingerprint import set_kernel
 from detection.gradstats import StatsConfig
@@ -81,11 +87,23 @@ from detection.harness import _PRELOAD
 from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
 from detection.vote import all_gather_table
 
-VARIANTS = ("plain", "checks", "defer", "bare", "abft", "state", "loss", "gradient", "gather")
+VARIANTS = (
+    "plain",
+    "checks",
+    "torch",
+    "defer",
+    "bare",
+    "abft",
+    "state",
+    "loss",
+    "gradient",
+    "gather",
+)
 # (row, reference overhead published by AWS, target ratio)
 ROWS = (
     ("checks only (no audit)", "checks", 0, 1.074, 1.03),
     ("  (decided a step later)", "defer", 0, None, None),
+    ("  (torch ops, native kernels off)", "torch", 0, None, None),
     ("  (per-step layer off)", "bare", 0, 1.074, 1.02),
     ("  (+ ABFT checksums = default)", "abft", 0, None, 1.10),
     ("  (+ optimizer-state vote)", "state", 0, None, None),
@@ -103,6 +121,7 @@ GATHER_WORDS = 64
 SMALL_ROWS = (
     ("small model: checks only", "checks", 0, None, 1.05),
     ("  (decided a step later)", "defer", 0, None, 1.05),
+    ("  (torch ops, native kernels off)", "torch", 0, None, None),
 )
 SMALL_MAX_PARAMS = 500_000
 
@@ -182,6 +201,22 @@ def _placement(bench: Bench, rank: int) -> tuple[torch.device, str]:
     return torch.device("cuda", rank % count), backend
 
 
+@contextlib.contextmanager
+def _kernels(variant: str) -> Iterator[None]:
+    """The ``torch`` variant runs with :mod:`detection.native` switched off (on every rank, as
+    the guard requires): its row is ``checks`` on torch's ops, so the pair measures the kernels
+    side by side. Every other variant runs with the library's default."""
+    if variant != "torch":
+        yield
+        return
+    was = native.is_enabled()
+    native.set_enabled(False)
+    try:
+        yield
+    finally:
+        native.set_enabled(was)
+
+
 def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(bench.threads)
@@ -213,6 +248,7 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
     guards: dict[str, SDCGuard] = {}
     modes = {
         "checks": (0, "loss", False),
+        "torch": (0, "loss", False),
         "defer": (0, "loss", False),
         "bare": (0, "loss", False),
         "abft": (0, "loss", False),
@@ -236,9 +272,10 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
                 # a short warm-up, so the rounds measure the tests in force, not calibration
                 stats=StatsConfig(warmup=3),
             )
-            guards[name] = SDCGuard(
-                ddps[name], opts[name], microbatch=microbatch, loss_fn=loss_fn, config=config
-            )
+            with _kernels(name):
+                guards[name] = SDCGuard(
+                    ddps[name], opts[name], microbatch=microbatch, loss_fn=loss_fn, config=config
+                )
     steps = dict.fromkeys(VARIANTS, 0)
     gather_row = torch.zeros(GATHER_WORDS, dtype=torch.int64, device=device)
 
@@ -267,7 +304,7 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
             if name == "gather":
                 all_gather_table(gather_row).tolist()
         else:
-            with guard.step(step):
+            with _kernels(name), guard.step(step):
                 opt.zero_grad(set_to_none=True)
                 guard.backward(loss_fn(ddp, microbatch(step, rank)))
                 opt.step()

@@ -65,6 +65,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from detection import native
+
 __all__ = [
     "ARRAY_MIN",
     "CHUNK",
@@ -73,6 +75,7 @@ __all__ = [
     "bucket_norm",
     "check_reduction",
     "chunked_sum",
+    "native_chunk",
     "reduction_bound",
     "unit_roundoff",
 ]
@@ -87,12 +90,23 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def native_chunk(numel: int) -> int:
+    """The chunk :mod:`detection.native` sums a bucket of ``numel`` elements by, as
+    :func:`chunked_sum` does: ``0`` (float64 outright) up to :data:`WIDE_MAX`, else
+    :data:`CHUNK`."""
+    return 0 if numel <= WIDE_MAX else CHUNK
+
+
 def chunked_sum(flat: torch.Tensor) -> torch.Tensor:
     """Σ of a 1-D tensor as a float64 scalar on its device: float32 chunks of :data:`CHUNK`
     elements added in float64 (the error model of :func:`reduction_bound`); a bucket of at most
     :data:`WIDE_MAX` elements, and any bucket on a GPU, in float64 outright, which that model
     covers too (its error is below the chunked one's). On a GPU the pass is memory-bound
-    whatever the accumulator, and one op is one kernel launch where the chunks take six."""
+    whatever the accumulator, and one op is one kernel launch where the chunks take six. A
+    contiguous float32 bucket on a CPU with :mod:`detection.native` takes its one-pass kernel,
+    which sums the same chunks (in a fixed lane order; any order is within the bound)."""
+    if native.stats_kind_ok(flat) and native.available():
+        return native.sum_f32(flat, native_chunk(flat.numel()))
     if flat.numel() <= WIDE_MAX or flat.device.type != "cpu":
         return flat.sum(dtype=torch.float64)
     acc = _accumulation(flat.dtype)

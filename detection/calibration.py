@@ -73,6 +73,10 @@ _FIXES = {
     "tf32_cudnn": "set torch.backends.cudnn.allow_tf32 the same way on every rank",
     "cudnn_benchmark": "set torch.backends.cudnn.benchmark the same way (off) on every rank",
     "cudnn_deterministic": "set torch.backends.cudnn.deterministic the same way on every rank",
+    "native_kernels": (
+        "give every rank a C compiler and a writable SDCGUARD_CACHE_DIR, or set "
+        "SDCGUARD_NATIVE=0 on every rank (ranks compare their bucket sums bit for bit)"
+    ),
 }
 
 

@@ -110,6 +110,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from detection import native
+
 if TYPE_CHECKING:
     from detection.fingerprint_plan import FingerprintPlan
 
@@ -180,6 +182,7 @@ class Kernel(StrEnum):
     AUTO = "auto"
     EAGER = "eager"
     FUSED = "fused"
+    NATIVE = "native"
 
 
 class Fingerprint(NamedTuple):
@@ -479,6 +482,25 @@ def _use_fused(ts: Sequence[torch.Tensor]) -> bool:
         return True
 
 
+def use_native(ts: Sequence[torch.Tensor]) -> bool:
+    """Whether ``ts`` take :mod:`detection.native`'s kernel: CPU tensors under ``native``, or
+    under ``auto`` where the kernel is built and every tensor is contiguous (no copy a step)."""
+    kernel = _STATE.kernel
+    if kernel is Kernel.NATIVE:
+        if ts and ts[0].device.type != "cpu":
+            raise FingerprintError(f"the native kernel runs on the CPU, not {ts[0].device}")
+        if not native.available():
+            raise FingerprintError(f"native kernel: {native.unavailable_reason()}")
+        return True
+    return (
+        kernel is Kernel.AUTO
+        and bool(ts)
+        and ts[0].device.type == "cpu"
+        and all(t.is_contiguous() for t in ts)
+        and native.available()
+    )
+
+
 def _fused(ts: list[torch.Tensor], offsets: Sequence[int]) -> torch.Tensor | None:
     """The fused result, or ``None`` when compiling this layout failed under ``auto``."""
     plan = tuple(_plan(t) for t in ts)
@@ -584,6 +606,10 @@ def fingerprint_on_device(
     if not ts:
         return torch.zeros(2, dtype=torch.int64)
     where = _offsets(ts, offsets, start)
+    if use_native(ts):
+        flat = [t.contiguous().reshape(-1) for t in ts]
+        listed = native.PointerList(flat, [t.element_size() for t in flat], where)
+        return native.fingerprint(listed, torch.empty(2, dtype=torch.int64))
     with torch.no_grad():
         if _use_fused(ts):
             out = _fused(ts, where)

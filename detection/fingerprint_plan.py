@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from detection import native
 from detection.device_graph import GraphedCall
 from detection.fingerprint import (
     _FUSED_DTYPES,
@@ -65,6 +66,7 @@ from detection.fingerprint import (
     cpu_compile_options,
     fingerprint_on_device,
     multipliers,
+    use_native,
 )
 
 __all__ = ["FingerprintPlan"]
@@ -172,6 +174,8 @@ class FingerprintPlan:
         self._live: list[torch.Tensor] = []  # the tensors, detached, as of the last build
         # The fused kernel's layout, when the plan runs on it (a GPU, a CPU with 64-bit lanes).
         self._fused: tuple[object, ...] | None = None
+        # On a CPU with detection.native: the list as one call's pointer arrays.
+        self._native: native.PointerList | None = None
         # On a GPU, the ops of one call captured as a CUDA graph: one launch a step.
         self._graphed = GraphedCall(self._compute, what="fingerprint plan")
 
@@ -184,9 +188,14 @@ class FingerprintPlan:
         self._key, self._groups, self._words, self._mult = key, [], None, None
         self._pair = None
         self._ordered, self._layout, self._live, self._fused = None, None, [], None
+        self._native = None
         self._device = ts[0].device if ts else None
         where = _offsets(ts, None, self._start)
         contiguous = all(t.is_contiguous() for t in ts)  # else the view would be a copy
+        if ts and contiguous and use_native(ts):
+            flat = [t.reshape(-1) for t in ts]
+            self._native = native.PointerList(flat, [t.element_size() for t in flat], where)
+            return
         numel = sum(t.numel() for t in ts)
         kernel = _STATE.kernel
         fused = kernel is Kernel.FUSED or (kernel is Kernel.AUTO and numel >= _FUSED_MIN_ELEMENTS)
@@ -289,6 +298,8 @@ class FingerprintPlan:
         """One call's device work, for the tensors of the current build."""
         if self._device is None:
             return torch.zeros(2, dtype=torch.int64)
+        if self._native is not None:
+            return native.fingerprint(self._native, torch.empty(2, dtype=torch.int64))
         if self._fused is not None:
             if self._fused not in _STATE.failed:
                 return fingerprint_on_device(self.tensors, start=self._start)

@@ -43,7 +43,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from detection.allreduce_check import bucket_norm, chunked_sum
+from detection import native
+from detection.allreduce_check import bucket_norm, chunked_sum, native_chunk
 
 if TYPE_CHECKING:
     from detection.gradstats_arrays import ArrayTests
@@ -169,6 +170,11 @@ class LocalGradStats:
         """Record the local bucket's statistics; returns its (float64) sum."""
         flat = buffer.detach().reshape(-1)
         self.numel[key] = flat.numel()
+        if native.stats_kind_ok(flat) and native.available():
+            # the three in one pass (the same sum as chunked_sum's native one)
+            stats = native.stats_f32(flat, native_chunk(flat.numel()))
+            self._local[key] = stats
+            return stats[0]
         peak = _peak(flat).to(torch.float64)
         total = chunked_sum(flat)
         self._local[key] = torch.stack([total, bucket_norm(flat), peak])

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from detection import native
 from detection.calibration import (
     GuardCounters,
     NotReplayableError,
@@ -49,7 +50,11 @@ def agree_at_start(
     start when they disagree: bitwise replay needs the same hardware model, builds,
     kernel flags and intra-op thread count, and an identical guard configuration.
     Returns every rank's node and identity, in rank order."""
-    mine = (node, replay_environment(device), repr(config), ident)
+    env = replay_environment(device)
+    if device.type == "cpu":
+        # the per-step sums of a bucket are compared bit for bit across ranks: one kernel for all
+        env["native_kernels"] = native.available()
+    mine = (node, env, repr(config), ident)
     everyone: list[Any] = [None] * world_size
     dist.all_gather_object(everyone, mine, group=group)
     problems = check_agreement([env for _, env, _, _ in everyone])

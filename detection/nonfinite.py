@@ -30,7 +30,9 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from detection import native
 from detection.alarm import Phase
+from detection.allreduce_check import native_chunk
 from detection.carry import RowInBucket
 from detection.faults import FaultInjector
 from detection.fingerprint import fingerprint_on_device
@@ -86,6 +88,8 @@ def attribute_nonfinite(pre: Sequence[bool], post: Sequence[bool]) -> NonFiniteV
 
 
 def _bucket_sum(t: torch.Tensor) -> torch.Tensor:
+    if native.stats_kind_ok(t) and native.available():
+        return native.sum_f32(t.reshape(-1), native_chunk(t.numel()))
     return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 

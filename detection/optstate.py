@@ -12,7 +12,11 @@ norms, so the ops are many: 2.7M parameters in 30 tensors gave 60 state tensors 
 are, about 25. On a GPU each op is a kernel launch, so there they are captured once as a CUDA
 graph and replayed, one launch a step (:mod:`detection.device_graph`).
 
-Invariant: the flag is 1 when some state element is NaN or ±Inf (or a float32 sum of it overflows).
+On a CPU with :mod:`detection.native` the whole state is one call instead: a pass over each
+tensor's bit patterns, an exact test of the exponent (no sum, so no overflow either).
+
+Invariant: the flag is 1 when some state element is NaN or ±Inf (on the torch path, also when a
+float32 sum of finite elements overflows).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import torch
 
+from detection import native
 from detection.device_graph import GraphedCall
 from detection.nonfinite import nonfinite_flag
 from detection.vote import optimizer_state_slots
@@ -67,6 +72,7 @@ class StateFlag:
         self._alone: list[torch.Tensor] = []  # summed one by one
         self._buffer: torch.Tensor | None = None
         self._one_device = True
+        self._native: native.PointerList | None = None  # the CPU kernel's list, when it runs
         # On a GPU the sums and the fold, captured once as a CUDA graph: one launch a step.
         self._graphed = GraphedCall(self._compute, what="optimizer-state flag")
 
@@ -116,6 +122,16 @@ class StateFlag:
                 first = self._joined[0]
                 self._buffer = torch.empty(total, dtype=first.dtype, device=first.device)
         self._one_device = len({t.device for t in self._flat}) <= 1
+        # On a CPU, one native call over every tensor: no concatenation, no per-tensor ops.
+        self._native = None
+        kinds = [native.nonfinite_kind(t) for t in self._flat]
+        if (
+            self._flat
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in self._flat)
+            and all(k is not None for k in kinds)
+            and native.available()
+        ):
+            self._native = native.PointerList(self._flat, [k for k in kinds if k is not None])
 
     def __call__(self) -> torch.Tensor:
         """``1`` (int64, on ``device``) if any floating-point state tensor holds a NaN or an
@@ -128,6 +144,9 @@ class StateFlag:
     def _compute(self) -> torch.Tensor:
         if not self._flat:
             return torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self._native is not None:
+            bad = native.nonfinite(self._native)
+            return torch.full((1,), int(bad), dtype=torch.int64, device=self.device)
         # Float32 sums (a NaN or an Inf anywhere makes its sum non-finite; cheaper on CPU than a
         # max-norm): one over the small tensors' concatenation into the kept buffer, one per
         # other tensor, without a copy of it. A finite state so large that a sum overflows

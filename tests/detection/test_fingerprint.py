@@ -10,6 +10,7 @@ import torch
 
 from detection import fingerprint as fp
 from detection import fingerprint_plan as fp_plan
+from detection import native
 from detection.fingerprint import (
     Fingerprint,
     FingerprintError,
@@ -76,6 +77,16 @@ def _restore_kernel() -> Iterator[None]:
     before = fp.get_kernel()
     yield
     fp.set_kernel(before)
+
+
+@pytest.fixture
+def torch_kernels_only() -> Iterator[None]:
+    """``auto`` as on a host without :mod:`detection.native` (no C compiler, or
+    ``SDCGUARD_NATIVE=0``): the choice among torch's kernels."""
+    was = native.is_enabled()
+    native.set_enabled(False)
+    yield
+    native.set_enabled(was)
 
 
 SHAPES = [(), (0,), (1,), (2,), (3,), (7,), (3, 5), (2, 3, 4), (1023,), (1025,), (4097,), (64, 65)]
@@ -200,7 +211,7 @@ def _add_to_word(t: torch.Tensor, index: int, delta: int) -> None:
     words[index] = value
 
 
-@pytest.mark.parametrize("kernel", [Kernel.EAGER, Kernel.FUSED])
+@pytest.mark.parametrize("kernel", [Kernel.EAGER, Kernel.FUSED, Kernel.NATIVE])
 def test_plus_x_minus_two_x_plus_x_over_three_adjacent_words_changes_it(kernel: Kernel) -> None:
     """The second difference of (i + 1) is zero, so this pattern cancelled in both aggregates
     of the old definition; pseudo-random multipliers catch it at any place and any bit."""
@@ -467,7 +478,7 @@ def _large_list(seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("capability", ["AVX512", "SVE256"])
 def test_a_large_cpu_plan_keeps_the_fused_kernel_where_vectors_multiply_64_bit_lanes(
-    monkeypatch: pytest.MonkeyPatch, capability: str
+    torch_kernels_only: None, monkeypatch: pytest.MonkeyPatch, capability: str
 ) -> None:
     """Where the vector unit multiplies 64-bit lanes natively, recomputing splitmix64 per word
     outruns reading an 8-byte multiplier: the plan holds no table and compiles none, its list
@@ -492,6 +503,7 @@ def test_a_large_cpu_plan_keeps_the_fused_kernel_where_vectors_multiply_64_bit_l
 
 
 def test_with_the_fused_kernel_full_an_avx512_plan_takes_the_compiled_table(
+    torch_kernels_only: None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The fused kernel compiles at most ``_MAX_FUSED_LAYOUTS`` layouts a process; a plan that
@@ -510,7 +522,7 @@ def test_with_the_fused_kernel_full_an_avx512_plan_takes_the_compiled_table(
 
 
 def test_an_avx512_plan_whose_fused_kernel_fails_to_compile_takes_the_eager_table(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    torch_kernels_only: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """No C++ compiler on an AVX-512 host, under ``auto``: the fused kernel's first call logs
     a warning and still answers (eager), and from then on the plan reads its own eager table
@@ -544,6 +556,7 @@ def test_an_avx512_plan_whose_fused_kernel_fails_to_compile_takes_the_eager_tabl
 
 @pytest.mark.parametrize(("kernel", "raises"), [(Kernel.AUTO, False), (Kernel.FUSED, True)])
 def test_a_compiled_table_that_fails_to_compile_falls_back_or_raises(
+    torch_kernels_only: None,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
     kernel: Kernel,

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from detection import allreduce_check
+from detection import allreduce_check, native
 from detection.abft import LinearChecksums
 from detection.allreduce_check import (
     CHUNK,
@@ -190,12 +191,24 @@ def _clean_values(rng: random.Random, world: int, level: float) -> list[dict[str
     ]
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The per-step sums both ways: :mod:`detection.native`'s kernel, and torch's ops (a host
+    without a C compiler, ``SDCGUARD_NATIVE=0``)."""
+    was = native.is_enabled()
+    native.set_enabled(request.param == "native")
+    if request.param == "native":
+        assert native.available(), native.unavailable_reason()
+    yield request.param
+    native.set_enabled(was)
+
+
 @pytest.mark.parametrize("numel", [1, 1_000, WIDE_MAX, WIDE_MAX + 1, 200_003])
-def test_a_buckets_sum_stays_within_the_error_its_bound_assumes(numel: int) -> None:
+def test_a_buckets_sum_stays_within_the_error_its_bound_assumes(numel: int, kernels: str) -> None:
     """Both regimes of chunked_sum (float64 outright up to WIDE_MAX, float32 chunks of CHUNK
-    above): against the exact sum, the error stays under the chunked model's gamma(C - 1)
-    times the absolute sum that reduction_bound charges for it; a small bucket is summed
-    in float64, so its error is far below that."""
+    above), on both paths: against the exact sum, the error stays under the chunked model's
+    gamma(C - 1) times the absolute sum that reduction_bound charges for it; a small bucket is
+    summed in float64, so its error is far below that."""
     gen = torch.Generator().manual_seed(numel)
     bucket = torch.randn(numel, generator=gen) * torch.exp(4 * torch.randn(numel, generator=gen))
     values = [float(v) for v in bucket.tolist()]
@@ -217,7 +230,9 @@ def test_the_nonfinite_flag_is_one_exactly_for_nan_and_infinities(dtype: torch.d
 
 
 @pytest.mark.parametrize("numel", [1_000, 1 << 21])  # in cache and bandwidth-bound buckets
-def test_a_buckets_peak_is_its_largest_magnitude_and_nan_when_it_holds_one(numel: int) -> None:
+def test_a_buckets_peak_is_its_largest_magnitude_and_nan_when_it_holds_one(
+    numel: int, kernels: str
+) -> None:
     bucket = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
     for at, value in ((7, -1e3), (numel - 1, 2e3)):
         bucket[at] = value

@@ -1,0 +1,275 @@
+"""detection.native: the C kernels against the definitions they replace, bit for bit, and the
+torch path wherever they cannot run."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from detection import fingerprint as fp
+from detection import native
+from detection.allreduce_check import CHUNK, WIDE_MAX, chunked_sum, native_chunk
+from detection.calibration import check_agreement
+from detection.fingerprint import Kernel, fingerprint_from_tensor, fingerprint_on_device
+from detection.fingerprint_plan import FingerprintPlan
+from detection.gradstats import LocalGradStats
+from detection.optstate import StateFlag
+from tests.detection.test_fingerprint import random_bits, reference
+
+LANES = 16
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _restore() -> Iterator[None]:
+    kernel, enabled = fp.get_kernel(), native.is_enabled()
+    yield
+    fp.set_kernel(kernel)
+    native.set_enabled(enabled)
+
+
+def _lane_model(x: np.ndarray, chunk: int) -> tuple[float, float, float]:
+    """The C kernel's order of operations, in numpy scalars: what makes its result the same on
+    every CPU whatever vector width the compiler chose."""
+    f32, f64 = np.float32, np.float64
+    n = x.size
+    if chunk == 0:
+        lanes = [
+            np.add.accumulate(x[j::LANES].astype(f64))[-1] if j < n else 0.0 for j in range(16)
+        ]
+        total = 0.0
+        for v in lanes:
+            total = float(f64(total) + f64(v))
+    else:
+        head = n - n % chunk
+        total = 0.0
+        for c in range(0, head, chunk):
+            acc = x[c : c + LANES].copy()
+            for k in range(LANES, chunk, LANES):
+                acc = (acc + x[c + k : c + k + LANES]).astype(f32)
+            s = f32(0.0)
+            for v in acc:
+                s = f32(s + v)
+            total = float(f64(total) + f64(s))
+        tail = f32(0.0)
+        for v in x[head:]:
+            tail = f32(tail + v)
+        total = float(f64(total) + f64(tail))
+    q = f32(0.0)
+    for j in range(LANES):
+        squares = (x[j::LANES] * x[j::LANES]).astype(f32)
+        q = f32(q + (np.add.accumulate(squares)[-1] if squares.size else f32(0.0)))
+    peak = float(np.max(np.abs(x))) if n else 0.0
+    return total, float(np.sqrt(q)), peak
+
+
+@pytest.mark.parametrize("numel", [1, 15, 64, 1000, WIDE_MAX, WIDE_MAX + 1, 100_003])
+def test_the_bucket_statistics_follow_the_documented_lane_order_bit_for_bit(numel: int) -> None:
+    gen = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=gen) * torch.exp(3 * torch.randn(numel, generator=gen))
+    chunk = native_chunk(numel)
+    total, norm, peak = native.stats_f32(x, chunk).tolist()
+    want = _lane_model(x.numpy(), chunk)
+    assert (total, norm, peak) == want
+    assert native.sum_f32(x, chunk).item() == total
+    # and the statistics themselves: the norm within float32 rounding, the peak exact
+    assert norm == pytest.approx(float(torch.linalg.vector_norm(x.double())), rel=1e-5)
+    assert peak == float(x.abs().max())
+
+
+@pytest.mark.parametrize("numel", [1_000, 200_003])
+def test_a_sum_through_the_kernel_stays_within_the_bound_the_reduction_check_charges(
+    numel: int,
+) -> None:
+    """chunked_sum takes the kernel here: against the exact sum, within gamma(C - 1) times the
+    absolute sum (float64 outright for a small bucket, far below it)."""
+    gen = torch.Generator().manual_seed(numel)
+    bucket = torch.randn(numel, generator=gen) * torch.exp(4 * torch.randn(numel, generator=gen))
+    values = bucket.tolist()
+    exact, absolute = math.fsum(values), math.fsum(abs(v) for v in values)
+    got = chunked_sum(bucket).item()
+    assert got == native.sum_f32(bucket, native_chunk(numel)).item()
+    u = 2.0**-24
+    assert abs(got - exact) <= (CHUNK - 1) * u / (1 - (CHUNK - 1) * u) * absolute
+    native.set_enabled(False)
+    torch_sum = chunked_sum(bucket).item()
+    assert abs(torch_sum - exact) <= (CHUNK - 1) * u / (1 - (CHUNK - 1) * u) * absolute
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("numel", [100, 70_001])
+def test_a_non_finite_element_makes_the_sum_non_finite_and_nan_the_peak(
+    value: float, numel: int
+) -> None:
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(3))
+    x[numel // 3] = value
+    total, _, peak = native.stats_f32(x, native_chunk(numel)).tolist()
+    assert not math.isfinite(total)
+    assert math.isnan(peak) if math.isnan(value) else peak == math.inf
+
+
+def test_local_statistics_on_the_kernel_match_the_torch_ops() -> None:
+    """LocalGradStats takes the kernel for a float32 bucket: the same sum as chunked_sum's, the
+    norm and the peak as torch computes them (within float32 rounding for the norm)."""
+    x = torch.randn(300_001, generator=torch.Generator().manual_seed(8))
+    fast = LocalGradStats(torch.device("cpu"))
+    fast.on_local(0, x)
+    native.set_enabled(False)
+    slow = LocalGradStats(torch.device("cpu"))
+    slow.on_local(0, x)
+    a, b = fast.row().tolist(), slow.row().tolist()
+    assert a[0] == b[0] == 1.0  # one bucket
+    assert a[1] == pytest.approx(b[1], rel=1e-6, abs=1e-3)  # the sums: two summation orders
+    assert a[2] == pytest.approx(b[2], rel=1e-5)
+    assert a[3] == b[3]
+
+
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_the_non_finite_kernel_flags_exactly_nan_and_infinities(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    big = torch.finfo(dtype).max
+    tensors = [torch.randn(n, generator=gen).to(dtype) for n in (3, 17, 1000, 4099)]
+    tensors[2][7] = big
+    tensors[2][8] = -big
+    tensors[1][0] = -0.0
+    codes = [native.nonfinite_kind(t) for t in tensors]
+    assert None not in codes
+    clean = native.PointerList(tensors, [c for c in codes if c is not None])
+    assert native.nonfinite(clean) is False  # the largest finite values are finite
+    for which, at in ((0, 2), (3, 4098), (3, 0), (2, 500)):
+        for value in (math.nan, math.inf, -math.inf):
+            before = tensors[which][at].clone()
+            tensors[which][at] = value
+            assert native.nonfinite(clean) is True, (which, at, value)
+            tensors[which][at] = before
+    assert native.nonfinite(clean) is False
+
+
+def test_the_state_flag_takes_one_native_call_and_follows_the_state() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    flag = StateFlag(opt, list(model.parameters()), torch.device("cpu"))
+    assert flag().tolist() == [0]
+    assert flag._native is not None  # the kernel's list, not the torch sums
+    opt.state[model[2].weight]["exp_avg_sq"][1, 3] = math.inf
+    assert flag().tolist() == [1]
+    opt.state[model[2].weight]["exp_avg_sq"][1, 3] = 0.5
+    assert flag().tolist() == [0]
+    native.set_enabled(False)  # the torch path: the same verdicts
+    torch_flag = StateFlag(opt, list(model.parameters()), torch.device("cpu"))
+    assert torch_flag().tolist() == [0]
+    assert torch_flag._native is None
+    opt.state[model[0].bias]["exp_avg"][0] = math.nan
+    assert torch_flag().tolist() == [1]
+
+
+def _mixed(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        random_bits((1001,), torch.float32, gen),
+        random_bits((7, 3), torch.bfloat16, gen),
+        random_bits((33,), torch.uint8, gen),
+        random_bits((17,), torch.float64, gen),
+        random_bits((5,), torch.float16, gen),
+        random_bits((0,), torch.float32, gen),
+        random_bits((9,), torch.int64, gen),
+    ]
+
+
+def test_the_native_fingerprint_is_the_definition_for_every_word_size() -> None:
+    tensors = _mixed(11)
+    fp.set_kernel(Kernel.NATIVE)
+    got = fingerprint_from_tensor(fingerprint_on_device(tensors, start=12_345))
+    offsets, at = [], 12_345
+    for t in tensors:
+        offsets.append(at)
+        at += t.numel()
+    assert got == reference(tensors, offsets)
+    # scattered offsets (DDP buckets at their parameters' global places), a non-contiguous view
+    strided = torch.arange(40, dtype=torch.float32).reshape(5, 8)[:, ::3]
+    scattered = [tensors[0], strided]
+    got = fingerprint_from_tensor(fingerprint_on_device(scattered, offsets=[2**40, 7]))
+    assert got == reference(scattered, [2**40, 7])
+
+
+def test_a_plan_under_auto_runs_the_native_kernel_and_follows_its_tensors() -> None:
+    """On a CPU with the kernels, ``auto`` takes them whatever the list's size: no table, no
+    compiled layout; in-place updates and a replaced tensor both show."""
+    fp.set_kernel(Kernel.AUTO)
+    tensors = _mixed(12)
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += t.numel()
+    layouts = set(fp._STATE.layouts)
+    plan = FingerprintPlan(tensors)
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+    assert plan._native is not None
+    assert plan._words is None
+    assert plan._ordered is None
+    assert fp._STATE.layouts == layouts
+    tensors[0][999] += 1.0
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+    tensors[3] = tensors[3].clone()  # a new storage: the plan rebuilds
+    tensors[3][2] = 1.5
+    plan.tensors[3] = tensors[3]
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+
+
+def test_ranks_that_disagree_on_the_kernels_are_told_how_to_fix_it() -> None:
+    problems = check_agreement([{"native_kernels": True}, {"native_kernels": False}])
+    assert len(problems) == 1
+    assert "SDCGUARD_NATIVE=0" in problems[0]
+    assert check_agreement([{"native_kernels": True}, {"native_kernels": True}]) == []
+
+
+def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "detection.native"],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_without_a_compiler_the_kernels_are_unavailable_and_say_why(tmp_path: Path) -> None:
+    done = _probe({"CC": "false", "SDCGUARD_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 1
+    assert "unavailable" in done.stdout
+    assert "false" in done.stdout
+    assert "native CPU kernels unavailable" in done.stderr  # the warning, once
+
+
+def test_switched_off_the_kernels_are_unavailable(tmp_path: Path) -> None:
+    done = _probe({"SDCGUARD_NATIVE": "0", "SDCGUARD_CACHE_DIR": str(tmp_path)})
+    assert done.returncode == 1
+    assert "switched off" in done.stdout
+    assert not list(tmp_path.iterdir())  # nothing built
+
+
+def test_a_fresh_cache_builds_the_library_once(tmp_path: Path) -> None:
+    first = _probe({"SDCGUARD_CACHE_DIR": str(tmp_path)})
+    assert first.returncode == 0, first.stderr
+    built = sorted((tmp_path / "native").iterdir())
+    assert len(built) == 1
+    assert built[0].suffix == ".so"
+    stamp = built[0].stat().st_mtime_ns
+    again = _probe({"SDCGUARD_CACHE_DIR": str(tmp_path)})
+    assert again.returncode == 0
+    assert sorted((tmp_path / "native").iterdir()) == built
+    assert built[0].stat().st_mtime_ns == stamp
