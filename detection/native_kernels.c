@@ -1,11 +1,16 @@
 /* sdcguard's per-step CPU kernels: one pass, one call, whatever the number of tensors.
  *
- * Loaded by detection/native.py (compiled on first use, cached per source and CPU). Every
- * result is a function of the input values alone, never of the vector width the compiler
- * picked: the float32 accumulations run in LANES independent lanes combined in a fixed order
- * (compiled with -ffp-contract=off, so no fused multiply-add changes a rounding), and the
- * integer ones are exact. Ranks on different CPUs therefore compute the same bits, which the
- * exact cross-replica comparison of reduced-bucket sums relies on.
+ * Loaded by detection/native.py (compiled on first use, cached per source and CPU). Written
+ * with GCC/Clang vector extensions, whose lanes are part of the program: the compiler maps a
+ * 16-lane vector onto whatever the CPU has (one AVX-512 register, two AVX2 ones, four NEON
+ * ones) without changing which element goes to which lane or the order lanes are combined in.
+ * Every floating-point result is therefore a function of the input values alone, the same on
+ * every CPU and build (with -ffp-contract=off, so no fused multiply-add changes a rounding);
+ * the integer ones are exact. Ranks on different CPUs compute the same bits, which the exact
+ * cross-replica comparison of reduced-bucket sums relies on.
+ *
+ * Lane order, shared by every reduction here: element i of an array goes to lane i % 16; lanes
+ * are combined by the fixed tree (j, j + 8), then (j, j + 4), (j, j + 2), (j, j + 1).
  */
 #include <math.h>
 #include <stdint.h>
@@ -13,130 +18,155 @@
 
 #define LANES 16
 
-/* Σ x as float64 over float32 sums of consecutive chunks of `chunk` elements (a multiple of
- * LANES; 0: every element added in float64, element i in lane i % LANES): within a chunk, element i goes to lane i % LANES and the lanes are added in order;
- * the tail after the last whole chunk is one float32 sum in index order. With `what` == 3 also
- * the float32 Σ x² (element i in lane i % LANES, over the whole array, lanes then added in
- * order) as its square root, and max |x| exactly (as bit patterns: NaN if any element is NaN).
- * out[0] = Σ, out[1] = ‖x‖₂, out[2] = max |x| (out[1], out[2] untouched when what == 1). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef double v8d __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint64_t v8q __attribute__((vector_size(64)));
+
+static inline v16f load16f(const float *p) {
+    v16f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The first `n` (< 16) elements of p in lanes 0..n-1, zeros above. */
+static inline v16f partial16f(const float *p, int64_t n) {
+    float t[LANES] = {0};
+    memcpy(t, p, (size_t)n * sizeof(float));
+    v16f v;
+    memcpy(&v, t, sizeof v);
+    return v;
+}
+
+static inline float tree16f(v16f a) {
+    float t[LANES];
+    memcpy(t, &a, sizeof t);
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) t[j] = t[j] + t[j + w];
+    return t[0];
+}
+
+static inline double tree16d(v8d lo, v8d hi) {
+    double t[LANES];
+    memcpy(t, &lo, sizeof lo);
+    memcpy(t + 8, &hi, sizeof hi);
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) t[j] = t[j] + t[j + w];
+    return t[0];
+}
+
+static inline v16u max16u(v16u a, v16u b) {
+    v16u m = (v16u)(a > b);
+    return (a & m) | (b & ~m);
+}
+
+static inline uint32_t hmax16u(v16u a) {
+    uint32_t t[LANES], m = 0;
+    memcpy(t, &a, sizeof t);
+    for (int j = 0; j < LANES; j++) m = t[j] > m ? t[j] : m;
+    return m;
+}
+
+/* Lane-wise Σ x² and max |x| (as bit patterns below the sign bit) of one block. */
+static inline void square_and_peak(v16f v, v16f *sq, v16u *peak) {
+    const v16u abs_bits = (v16u){0} + 0x7fffffffu;
+    v16u bits;
+    memcpy(&bits, &v, sizeof bits);
+    *sq += v * v;
+    *peak = max16u(bits & abs_bits, *peak);
+}
+
+/* out[0] = Σ x as float64; with what == 3 also out[1] = ‖x‖₂ (float32 Σ x² in the lane order,
+ * then sqrtf) and out[2] = max |x| (exact; NaN if any element is NaN: a NaN's bit pattern
+ * exceeds every other). The sum:
+ *   chunk > 0 (a multiple of 16): float32 sums of consecutive chunks of `chunk` elements (each
+ *     in the lane order) added one by one in float64, then the tail after the last whole chunk
+ *     as one float32 sum in index order;
+ *   chunk == 0: every element added in float64, in the lane order. */
 void sdc_stats_f32(const float *x, int64_t n, int64_t chunk, int32_t what, double *out) {
+    v16f sq = {0};
+    v16u peak = {0};
+    const int full = what == 3;
     double total = 0.0;
-    float sq[LANES];
-    uint32_t peak[LANES];
-    memset(sq, 0, sizeof sq);
-    memset(peak, 0, sizeof peak);
+    int64_t whole = n - n % LANES;
     if (chunk <= 0) {
-        /* float64 outright: a small bucket, where the pass costs nothing next to the call */
-        double wide[LANES];
-        memset(wide, 0, sizeof wide);
-        for (int64_t i = 0; i < n; i++) wide[i % LANES] += (double)x[i];
-        for (int j = 0; j < LANES; j++) total += wide[j];
-        chunk = LANES;  /* the norm and the peak below, over whole lanes and the tail */
-        if (what != 3) {
-            out[0] = total;
-            return;
+        v8d lo = {0}, hi = {0};
+        for (int64_t i = 0; i < n; i += LANES) {
+            v16f v = i < whole ? load16f(x + i) : partial16f(x + i, n - i);
+            v8f a, b;
+            memcpy(&a, &v, sizeof a);
+            memcpy(&b, (const char *)&v + sizeof a, sizeof b);
+            lo += __builtin_convertvector(a, v8d);
+            hi += __builtin_convertvector(b, v8d);
+            if (full) square_and_peak(v, &sq, &peak);
         }
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t b;
-            memcpy(&b, &x[i], sizeof b);
-            int j = (int)(i % LANES);
-            sq[j] += x[i] * x[i];
-            b &= 0x7fffffffu;
-            peak[j] = b > peak[j] ? b : peak[j];
-        }
-        float q = 0.0f;
-        uint32_t m = 0;
-        for (int j = 0; j < LANES; j++) {
-            q += sq[j];
-            m = peak[j] > m ? peak[j] : m;
-        }
-        float mf;
-        memcpy(&mf, &m, sizeof mf);
-        out[0] = total;
-        out[1] = (double)sqrtf(q);
-        out[2] = (double)mf;
-        return;
-    }
-    int64_t head = n - n % chunk;
-    for (int64_t c = 0; c < head; c += chunk) {
-        float acc[LANES];
-        memset(acc, 0, sizeof acc);
-        for (int64_t k = 0; k < chunk; k += LANES) {
-            const float *p = x + c + k;
-            uint32_t bits[LANES];
-            memcpy(bits, p, sizeof bits);
-            if (what == 3) {
-                for (int j = 0; j < LANES; j++) {
-                    acc[j] += p[j];
-                    sq[j] += p[j] * p[j];
-                    uint32_t a = bits[j] & 0x7fffffffu;
-                    peak[j] = a > peak[j] ? a : peak[j];
-                }
-            } else {
-                for (int j = 0; j < LANES; j++) acc[j] += p[j];
+        total = tree16d(lo, hi);
+    } else {
+        int64_t head = n - n % chunk;
+        for (int64_t c = 0; c < head; c += chunk) {
+            v16f acc = {0};
+            for (int64_t k = 0; k < chunk; k += LANES) {
+                v16f v = load16f(x + c + k);
+                acc += v;
+                if (full) square_and_peak(v, &sq, &peak);
             }
+            total += (double)tree16f(acc);
         }
-        float s = 0.0f;
-        for (int j = 0; j < LANES; j++) s += acc[j];
-        total += (double)s;
+        float tail = 0.0f;
+        for (int64_t i = head; i < n; i++) tail += x[i];
+        total += (double)tail;
+        if (full)
+            for (int64_t i = head; i < n; i += LANES) {
+                v16f v = i < whole ? load16f(x + i) : partial16f(x + i, n - i);
+                square_and_peak(v, &sq, &peak);
+            }
     }
-    float tail = 0.0f;
-    for (int64_t i = head; i < n; i++) {
-        float v = x[i];
-        uint32_t b;
-        memcpy(&b, &v, sizeof b);
-        tail += v;
-        if (what == 3) {
-            int j = (int)(i % LANES);
-            sq[j] += v * v;
-            b &= 0x7fffffffu;
-            peak[j] = b > peak[j] ? b : peak[j];
-        }
-    }
-    out[0] = total + (double)tail;
-    if (what == 3) {
-        float q = 0.0f;
-        uint32_t m = 0;
-        for (int j = 0; j < LANES; j++) {
-            q += sq[j];
-            m = peak[j] > m ? peak[j] : m;
-        }
+    out[0] = total;
+    if (full) {
+        uint32_t m = hmax16u(peak);
         float mf;
         memcpy(&mf, &m, sizeof mf);
-        out[1] = (double)sqrtf(q);
+        out[1] = (double)sqrtf(tree16f(sq));
         out[2] = (double)mf;
     }
 }
 
 /* max over elements of the bits below the sign bit, for one word width: the element is NaN or
  * ±Inf exactly when that is at least the all-ones exponent pattern. */
-#define MAX_ABS(NAME, T, MASK)                                                     \
+#define MAX_ABS(NAME, T, V, MASK)                                                  \
     static T NAME(const T *w, int64_t n) {                                         \
-        T acc[LANES];                                                              \
-        memset(acc, 0, sizeof acc);                                                \
-        int64_t head = n - n % LANES;                                              \
-        for (int64_t i = 0; i < head; i += LANES)                                  \
-            for (int j = 0; j < LANES; j++) {                                      \
-                T a = w[i + j] & (MASK);                                           \
-                acc[j] = a > acc[j] ? a : acc[j];                                  \
-            }                                                                      \
-        T m = 0;                                                                   \
-        for (int j = 0; j < LANES; j++) m = acc[j] > m ? acc[j] : m;               \
+        const int k = (int)(sizeof(V) / sizeof(T));                                \
+        V acc = {0};                                                               \
+        const V mask = (V){0} + (MASK);                                            \
+        int64_t head = n - n % k;                                                  \
+        for (int64_t i = 0; i < head; i += k) {                                    \
+            V v;                                                                   \
+            memcpy(&v, w + i, sizeof v);                                           \
+            v &= mask;                                                             \
+            V m = (V)(v > acc);                                                    \
+            acc = (v & m) | (acc & ~m);                                            \
+        }                                                                          \
+        T t[sizeof(V) / sizeof(T)], r = 0;                                         \
+        memcpy(t, &acc, sizeof t);                                                 \
+        for (int j = 0; j < k; j++) r = t[j] > r ? t[j] : r;                       \
         for (int64_t i = head; i < n; i++) {                                       \
             T a = w[i] & (MASK);                                                   \
-            m = a > m ? a : m;                                                     \
+            r = a > r ? a : r;                                                     \
         }                                                                          \
-        return m;                                                                  \
+        return r;                                                                  \
     }
 
-MAX_ABS(max_abs16, uint16_t, 0x7fffu)
-MAX_ABS(max_abs32, uint32_t, 0x7fffffffu)
-MAX_ABS(max_abs64, uint64_t, 0x7fffffffffffffffull)
+typedef uint16_t v32h __attribute__((vector_size(64)));
+MAX_ABS(max_abs16, uint16_t, v32h, (uint16_t)0x7fffu)
+MAX_ABS(max_abs32, uint32_t, v16u, 0x7fffffffu)
+MAX_ABS(max_abs64, uint64_t, v8q, 0x7fffffffffffffffull)
 
 /* Kinds of floating-point storage: their non-finite exponent patterns. */
 enum { KIND_F16 = 0, KIND_BF16 = 1, KIND_F32 = 2, KIND_F64 = 3 };
 
-/* 1 if any element of any of the `count` arrays is NaN or ±Inf, else 0. */
+/* 1 if any element of any of the `count` arrays is NaN or ±Inf, 0 if none, -1 for a kind it
+ * has no code for. */
 int32_t sdc_nonfinite(int64_t count, const void *const *ptrs, const int64_t *numels,
                       const int32_t *kinds) {
     for (int64_t t = 0; t < count; t++) {
@@ -163,12 +193,12 @@ static inline uint64_t splitmix64(uint64_t z) {
 }
 
 /* A += Σ w_i, B += Σ (splitmix64(o + i) | 1)·w_i (mod 2^64) over one array of unsigned words
- * (detection/fingerprint.py defines both and proves what they catch). */
-#define FINGERPRINT(NAME, T)                                                       \
+ * (detection/fingerprint.py defines both and proves what they catch): integer sums, so any
+ * order gives the same bits. Written as eight scalar lanes, which the compiler vectorises (on
+ * AVX-512 with native 64-bit multiplies) faster than the same loop in vector types. */
+#define FINGERPRINT(NAME, T)                                                   \
     static void NAME(const T *w, int64_t n, uint64_t o, uint64_t *a, uint64_t *b) { \
-        uint64_t sa[8], sb[8];                                                     \
-        memset(sa, 0, sizeof sa);                                                  \
-        memset(sb, 0, sizeof sb);                                                  \
+        uint64_t sa[8] = {0}, sb[8] = {0};                                         \
         int64_t head = n - n % 8;                                                  \
         for (int64_t i = 0; i < head; i += 8)                                      \
             for (int j = 0; j < 8; j++) {                                          \

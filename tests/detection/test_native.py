@@ -36,39 +36,45 @@ def _restore() -> Iterator[None]:
     native.set_enabled(enabled)
 
 
+def _tree(lanes: np.ndarray) -> np.ndarray:
+    """Lanes (last axis, 16) combined as the C file's tree: (j, j + 8), (j, j + 4), ..."""
+    while lanes.shape[-1] > 1:
+        half = lanes.shape[-1] // 2
+        lanes = lanes[..., :half] + lanes[..., half:]
+    return lanes[..., 0]
+
+
+def _per_lane(x: np.ndarray, dtype: type[np.floating]) -> np.ndarray:
+    """Each lane's elements (i % 16) added in index order, in ``dtype``."""
+    return np.array(
+        [np.add.accumulate(x[j::LANES], dtype=dtype)[-1] if j < x.size else 0 for j in range(16)],
+        dtype=dtype,
+    )
+
+
 def _lane_model(x: np.ndarray, chunk: int) -> tuple[float, float, float]:
-    """The C kernel's order of operations, in numpy scalars: what makes its result the same on
-    every CPU whatever vector width the compiler chose."""
+    """The C kernel's order of operations, in numpy: what makes its result the same on every
+    CPU whatever vector width the compiler chose."""
     f32, f64 = np.float32, np.float64
-    n = x.size
     if chunk == 0:
-        lanes = [
-            np.add.accumulate(x[j::LANES].astype(f64))[-1] if j < n else 0.0 for j in range(16)
-        ]
-        total = 0.0
-        for v in lanes:
-            total = float(f64(total) + f64(v))
+        total = float(_tree(_per_lane(x, f64)))
     else:
-        head = n - n % chunk
+        head = x.size - x.size % chunk
+        blocks = x[:head].reshape(-1, chunk // LANES, LANES)
+        acc = blocks[:, 0, :].copy()
+        for k in range(1, chunk // LANES):
+            acc = acc + blocks[:, k, :]  # float32, one rounding per add
         total = 0.0
-        for c in range(0, head, chunk):
-            acc = x[c : c + LANES].copy()
-            for k in range(LANES, chunk, LANES):
-                acc = (acc + x[c + k : c + k + LANES]).astype(f32)
-            s = f32(0.0)
-            for v in acc:
-                s = f32(s + v)
+        for s in _tree(acc):
             total = float(f64(total) + f64(s))
         tail = f32(0.0)
         for v in x[head:]:
             tail = f32(tail + v)
         total = float(f64(total) + f64(tail))
-    q = f32(0.0)
-    for j in range(LANES):
-        squares = (x[j::LANES] * x[j::LANES]).astype(f32)
-        q = f32(q + (np.add.accumulate(squares)[-1] if squares.size else f32(0.0)))
-    peak = float(np.max(np.abs(x))) if n else 0.0
-    return total, float(np.sqrt(q)), peak
+    squares = (x * x).astype(f32)
+    norm = float(np.sqrt(f32(_tree(_per_lane(squares, f32)))))
+    peak = float(np.max(np.abs(x))) if x.size else 0.0
+    return total, norm, peak
 
 
 @pytest.mark.parametrize("numel", [1, 15, 64, 1000, WIDE_MAX, WIDE_MAX + 1, 100_003])
