@@ -8,6 +8,8 @@ interleaved repeat by repeat:
 * ``torch.sum``: one ``torch.sum`` per tensor, stacked and summed: the bandwidth reference;
 * ``fused``: :func:`detection.fingerprint.fingerprint_on_device` with the fused kernel;
 * ``eager``: the same with the eager kernel (the fallback without a compiler);
+* ``native``: the same with :mod:`detection.native`'s C kernel (CPU only; what ``auto`` takes
+  on a CPU where it builds), its ratio to ``torch.sum`` printed next to the fused one's;
 * ``plan``: the per-step :class:`~detection.fingerprint.FingerprintPlan` a guard keeps for its
   weights, under ``fused``: up to 4M elements on a CPU without a native 64-bit vector multiply
   (AVX2) it compiles a pass that reads each word's multiplier from a table it holds (one 64-bit
@@ -44,6 +46,7 @@ from collections.abc import Callable
 import torch
 
 from detection import fingerprint as fp
+from detection import native
 from detection.gradstats import LocalGradStats
 
 TARGET = 1.5
@@ -188,12 +191,14 @@ def main() -> int:
             "plan": with_plan(params),
             "naive": naive,
         }
+        if not cuda and native.available():
+            methods["native"] = with_kernel(fp.Kernel.NATIVE)
         start = time.perf_counter()
         results = {name: fn(params) for name, fn in methods.items()}
         if cuda:
             torch.cuda.synchronize(device)
         compile_s = time.perf_counter() - start
-        checked = ("fused", "eager", "plan", "naive")
+        checked = tuple(n for n in ("fused", "eager", "plan", "naive", "native") if n in methods)
         prints = {n: fp.fingerprint_from_tensor(results[n]) for n in checked}
         if cuda:  # the device's integer arithmetic against the CPU's, on the same words
             fp.set_kernel(fp.Kernel.EAGER)
@@ -224,7 +229,7 @@ def main() -> int:
     header = (
         f"{'elements':>11} {'tensors':>7} {'torch.sum ms':>12} {'fused ms':>9} "
         f"{'ratio':>6} {'target':>6} {'best':>5} {'eager ms':>9} {'plan ms':>8} {'naive ms':>9} "
-        f"{'first call s':>12}"
+        f"{'first call s':>12} {'native ms':>9} {'ratio':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -234,6 +239,11 @@ def main() -> int:
             f"{total:>11,} {count:>7} {med['sum']:>12.3f} {med['fused']:>9.3f} "
             f"{ratio:>6.2f} {TARGET:>6.1f} {best:>5.2f} {med['eager']:>9.3f} {med['plan']:>8.3f} "
             f"{med['naive']:>9.3f} {compile_s:>12.1f}"
+            + (
+                f" {med['native']:>9.3f} {med['native'] / med['sum']:>6.2f}"
+                if "native" in med
+                else f" {'-':>9} {'-':>6}"
+            )
         )
     checked_against = " and the CPU's eager kernel" if cuda else ""
     print(

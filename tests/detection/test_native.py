@@ -279,3 +279,22 @@ def test_a_fresh_cache_builds_the_library_once(tmp_path: Path) -> None:
     assert again.returncode == 0
     assert sorted((tmp_path / "native").iterdir()) == built
     assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_auto_leaves_a_large_list_to_the_compiled_kernel_when_torch_runs_threads() -> None:
+    """The C kernel is one thread: with several intra-op threads a list the compiled kernel
+    takes stays there; a small list, or one thread, takes the C kernel."""
+    fp.set_kernel(Kernel.AUTO)
+    large = [torch.zeros(fp._FUSED_MIN_ELEMENTS)]
+    small = [torch.zeros(1000)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not fp.use_native(large)
+        assert fp.use_native(small)
+        torch.set_num_threads(1)
+        assert fp.use_native(large)
+    finally:
+        torch.set_num_threads(threads)
+    native.set_enabled(False)
+    assert not fp.use_native(small)
