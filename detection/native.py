@@ -9,9 +9,10 @@ sums. ``native_kernels.c`` does each in one pass and one call over a list of raw
 ``benchmarks/overhead.py``).
 
 How it is built: on first use, by the C compiler the Python build names (``CC`` overrides it),
-with ``-O3 -march=native``, into ``$SDCGUARD_CACHE_DIR`` (default ``~/.cache/sdcguard``) under a
-name hashed from the source, the compiler, its flags and this CPU's feature flags, written
-atomically (ranks that start together race harmlessly). Where that fails — no compiler in the
+with ``-O3 -march=native``, into ``$SDCGUARD_CACHE_DIR`` (default ``~/.cache/sdcguard``; the
+temporary directory where that is not writable) under a name hashed from the source, the
+compiler, its flags and this CPU's feature flags, written atomically (ranks that start together
+race harmlessly). Where that fails — no compiler in the
 image, an unwritable cache — a warning says why once and every caller keeps its torch path;
 ``SDCGUARD_NATIVE=0`` switches the kernels off. GPU tensors never come here.
 
@@ -124,11 +125,28 @@ def _cpu_flags() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
-def _cache_dir() -> Path:
+def _cache_dirs() -> list[Path]:
+    """Where the library may go, in order: ``$SDCGUARD_CACHE_DIR`` (or ``~/.cache/sdcguard``),
+    then the temporary directory (a read-only home, as in a locked-down container)."""
     root = os.environ.get("SDCGUARD_CACHE_DIR")
-    if root:
-        return Path(root) / "native"
-    return Path.home() / ".cache" / "sdcguard" / "native"
+    first = Path(root) if root else Path.home() / ".cache" / "sdcguard"
+    fallback = Path(tempfile.gettempdir()) / f"sdcguard-{os.getuid()}"
+    return [first / "native", fallback / "native"]
+
+
+def _scratch(targets: list[Path]) -> tuple[Path, str]:
+    """The first of ``targets`` whose directory takes a new file, and a scratch file in it."""
+    errors = []
+    for target in targets:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        except OSError as err:
+            errors.append(f"{target.parent}: {err}")
+            continue
+        os.close(fd)
+        return target, scratch
+    raise NativeUnavailable("no writable cache: " + "; ".join(errors))
 
 
 def _build() -> Path:
@@ -139,15 +157,11 @@ def _build() -> Path:
         key = hashlib.sha256(
             b"\0".join([source, " ".join(cc + list(_FLAGS + tune)).encode(), _cpu_flags().encode()])
         ).hexdigest()[:20]
-        target = _cache_dir() / f"kernels-{key}.so"
-        if target.exists():
-            return target
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
-            os.close(fd)
-        except OSError as err:
-            raise NativeUnavailable(f"cache {target.parent} is not writable: {err}") from err
+        targets = [d / f"kernels-{key}.so" for d in _cache_dirs()]
+        for built in targets:
+            if built.exists():
+                return built
+        target, scratch = _scratch(targets)
         command = [*cc, *_FLAGS, *tune, str(_SOURCE), "-o", scratch, "-lm"]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)

@@ -254,7 +254,7 @@ def _probe(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_without_a_compiler_the_kernels_are_unavailable_and_say_why(tmp_path: Path) -> None:
-    done = _probe({"CC": "false", "SDCGUARD_CACHE_DIR": str(tmp_path)})
+    done = _probe({"CC": "false", "SDCGUARD_CACHE_DIR": str(tmp_path), "TMPDIR": str(tmp_path)})
     assert done.returncode == 1
     assert "unavailable" in done.stdout
     assert "false" in done.stdout
@@ -269,16 +269,33 @@ def test_switched_off_the_kernels_are_unavailable(tmp_path: Path) -> None:
 
 
 def test_a_fresh_cache_builds_the_library_once(tmp_path: Path) -> None:
-    first = _probe({"SDCGUARD_CACHE_DIR": str(tmp_path)})
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"SDCGUARD_CACHE_DIR": str(tmp_path), "TMPDIR": str(scratch)}
+    first = _probe(env)
     assert first.returncode == 0, first.stderr
     built = sorted((tmp_path / "native").iterdir())
     assert len(built) == 1
     assert built[0].suffix == ".so"
     stamp = built[0].stat().st_mtime_ns
-    again = _probe({"SDCGUARD_CACHE_DIR": str(tmp_path)})
+    again = _probe(env)
     assert again.returncode == 0
     assert sorted((tmp_path / "native").iterdir()) == built
     assert built[0].stat().st_mtime_ns == stamp
+    assert not list(scratch.iterdir())  # nothing in the fallback
+
+
+def test_an_unwritable_cache_falls_back_to_the_temporary_directory(tmp_path: Path) -> None:
+    """A read-only home (a locked-down container): the library goes to the temporary
+    directory instead, and the kernels run."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = _probe({"SDCGUARD_CACHE_DIR": str(blocked), "TMPDIR": str(scratch)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == "available"
+    assert len(list(scratch.glob("sdcguard-*/native/kernels-*.so"))) == 1
 
 
 def test_auto_leaves_a_large_list_to_the_compiled_kernel_when_torch_runs_threads() -> None:
