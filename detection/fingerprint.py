@@ -75,10 +75,15 @@ element), except by ``eager`` on small lists, which reads them from a cached tab
   (``benchmarks/fingerprint.py`` measures the ratio). At most ``_MAX_FUSED_LAYOUTS`` layouts
   are compiled per process (more would hit the compiler's recompile limit); other layouts, and
   element types outside ``_FUSED_DTYPES`` (complex, float8), use ``eager``.
-* ``auto`` (the default) uses ``fused`` for lists of at least ``_FUSED_MIN_ELEMENTS``
-  elements, where compiling pays off, and ``eager`` otherwise. If compiling a layout fails
-  (no C++ compiler in the image, say) it logs a warning and runs that layout on ``eager``;
-  under ``fused`` the failure raises :class:`FusedKernelUnavailable`.
+* ``native`` (CPU only): :mod:`detection.native`'s C function, one call for a whole list of
+  any word sizes, the arithmetic above in eight 64-bit lanes; no compilation per layout, one
+  thread. Under ``native`` an unbuildable library raises :class:`FingerprintError`.
+* ``auto`` (the default) uses ``native`` for contiguous CPU lists where the library builds
+  (except a list ``fused`` would take while torch runs several intra-op threads, which the
+  compiled kernel's threads run faster); otherwise ``fused`` for lists of at least
+  ``_FUSED_MIN_ELEMENTS`` elements, where compiling pays off, and ``eager`` below. If compiling
+  a layout fails (no C++ compiler in the image, say) it logs a warning and runs that layout on
+  ``eager``; under ``fused`` the failure raises :class:`FusedKernelUnavailable`.
 
 On a CPU whose vector unit has no 64-bit multiply (AVX2, NEON: see
 :func:`cpu_compile_options`) the compiled kernels are scalar code, which runs them about twice
@@ -613,7 +618,7 @@ def fingerprint_on_device(
     if use_native(ts):
         flat = [t.contiguous().reshape(-1) for t in ts]
         listed = native.PointerList(flat, [t.element_size() for t in flat], where)
-        return native.fingerprint(listed, torch.empty(2, dtype=torch.int64))
+        return native.fingerprint(listed)
     with torch.no_grad():
         if _use_fused(ts):
             out = _fused(ts, where)

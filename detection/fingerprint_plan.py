@@ -2,7 +2,10 @@
 
 The definition and its proofs are :mod:`detection.fingerprint`'s; a plan gives the same bits as
 :func:`~detection.fingerprint.fingerprint_on_device` for the same list, only for less per call.
-It holds the multipliers of its positions (8 bytes an element) and picks, once per layout:
+On a CPU where :mod:`detection.native` builds, under ``auto`` (and under ``native``), a plan
+holds its list as the C function's pointer arrays and each call is one call of it, whatever the
+list's size (:func:`~detection.fingerprint.use_native`). Otherwise it holds the multipliers of
+its positions (8 bytes an element) and picks, once per layout:
 
 * the **eager table** for small lists (up to ``_PLAN_EAGER_MAX`` elements, or any list the
   ``eager`` kernel is asked for): one widening copy into a reused int64 buffer, one mask, two
@@ -299,7 +302,7 @@ class FingerprintPlan:
         if self._device is None:
             return torch.zeros(2, dtype=torch.int64)
         if self._native is not None:
-            return native.fingerprint(self._native, torch.empty(2, dtype=torch.int64))
+            return native.fingerprint(self._native)
         if self._fused is not None:
             if self._fused not in _STATE.failed:
                 return fingerprint_on_device(self.tensors, start=self._start)

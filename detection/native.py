@@ -4,17 +4,18 @@ Why: on a CPU the checks a guard runs every step are a few passes over memory th
 into separate ops — a bucket's sum, its norm and its peak are three passes; the fingerprint's
 splitmix64 runs in Inductor's generic vector code; an optimizer state of sixty tensors is sixty
 sums. ``native_kernels.c`` does each in one pass and one call over a list of raw pointers
-(2.4M float32 gradient elements, one thread: the three statistics in 0.8 ms against 1.5 ms;
-2.7M weights fingerprinted in 1.5 ms against 2.8 ms; ``benchmarks/fingerprint.py``,
-``benchmarks/overhead.py``).
+(one thread, data in cache: 2.4M float32 gradient elements' three statistics in 0.54 ms
+against 1.5 ms; 2.7M weights fingerprinted in 1.7-2.1 ms against 2.8 ms; in a training step,
+where the data come from memory, the gain is smaller: ``benchmarks/overhead.py``, row
+``torch ops, native kernels off``).
 
 How it is built: on first use, by the C compiler the Python build names (``CC`` overrides it),
 with ``-O3 -march=native``, into ``$SDCGUARD_CACHE_DIR`` (default ``~/.cache/sdcguard``; the
 temporary directory where that is not writable) under a name hashed from the source, the
 compiler, its flags and this CPU's feature flags, written atomically (ranks that start together
-race harmlessly). Where that fails — no compiler in the
-image, an unwritable cache — a warning says why once and every caller keeps its torch path;
-``SDCGUARD_NATIVE=0`` switches the kernels off. GPU tensors never come here.
+race harmlessly). Where that fails — no compiler in the image, no writable directory — a
+warning says why once and every caller keeps its torch path; ``SDCGUARD_NATIVE=0`` switches
+the kernels off. GPU tensors never come here.
 
 Invariants the callers rely on:
 
@@ -22,7 +23,10 @@ Invariants the callers rely on:
   the C file: fixed lanes, no contraction), so ranks compare the reduced sums bit for bit;
 * the fingerprint is exactly :mod:`detection.fingerprint`'s (integer arithmetic, any order);
 * a caller passes only contiguous CPU tensors of a kind :func:`stats_kind_ok` /
-  :func:`nonfinite_kind` / :func:`word_size_ok` admits, and keeps them alive during the call.
+  :func:`nonfinite_kind` admits (any 1-, 2-, 4- or 8-byte element for the fingerprint), and
+  keeps them alive while it uses them;
+* whether a caller takes the kernels is decided when it builds its :class:`PointerList` (a
+  plan, a state flag): switching them off later stops new callers, not a list already built.
 
 Every rank of a job must agree on whether the kernels run, since a torch sum and a native sum of
 the same bucket can differ in the last bit: the guard gathers :func:`available` with the rest of
@@ -35,6 +39,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shlex
 import subprocess
 import sys
@@ -55,7 +60,9 @@ __all__ = [
     "nonfinite_kind",
     "set_enabled",
     "stats_f32",
+    "stats_kind_ok",
     "sum_f32",
+    "unavailable_reason",
 ]
 
 _log = logging.getLogger(__name__)
@@ -64,7 +71,6 @@ _SOURCE = Path(__file__).with_name("native_kernels.c")
 _FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 _TUNE = ("-march=native", "-mprefer-vector-width=512")
 _NONFINITE_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2, torch.float64: 3}
-_WORD_SIZES = (1, 2, 4, 8)
 _STATS_ALL = 3
 _STATS_SUM = 1
 
@@ -120,8 +126,6 @@ def _cpu_flags() -> str:
                 return line
     except OSError:
         pass
-    import platform
-
     return f"{platform.machine()} {platform.processor()}"
 
 
@@ -214,7 +218,9 @@ def unavailable_reason() -> str | None:
 
 
 def _lib() -> ctypes.CDLL:
-    lib = _LOADER.get()
+    """The loaded library: once loaded it stays usable for the lists built with it, even after
+    :func:`set_enabled` switched the kernels off for new callers."""
+    lib = _LOADER.lib or _LOADER.get()
     if lib is None:
         raise NativeUnavailable(unavailable_reason() or "unavailable")
     return lib
@@ -253,10 +259,6 @@ def nonfinite_kind(t: torch.Tensor) -> int | None:
     return _NONFINITE_KINDS.get(t.dtype)
 
 
-def word_size_ok(t: torch.Tensor) -> bool:
-    return t.element_size() in _WORD_SIZES
-
-
 class PointerList:
     """A fixed list of contiguous CPU tensors as the C arrays one call takes (built once; the
     caller rebuilds it when a tensor's address changes, and keeps the tensors alive)."""
@@ -284,10 +286,10 @@ def nonfinite(pointers: PointerList) -> bool:
     return bool(got)
 
 
-def fingerprint(pointers: PointerList, out: torch.Tensor) -> torch.Tensor:
-    """Write the fingerprint ``(A, B)`` of the listed tensors (codes: element sizes, offsets:
-    global positions) into ``out`` (int64, 2, CPU) and return it."""
-    _check(out)
+def fingerprint(pointers: PointerList) -> torch.Tensor:
+    """The fingerprint ``(A, B)`` of the listed tensors (codes: element sizes, offsets: global
+    positions) as a new int64 tensor of 2 (a caller may keep it across steps)."""
+    out = torch.empty(2, dtype=torch.int64)
     got = _lib().sdc_fingerprint(
         pointers.count,
         pointers.ptrs,

@@ -233,6 +233,11 @@ def test_a_plan_under_auto_runs_the_native_kernel_and_follows_its_tensors() -> N
     tensors[3][2] = 1.5
     plan.tensors[3] = tensors[3]
     assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+    # switched off later, the kernels stop new callers, not a plan already built on them
+    native.set_enabled(False)
+    tensors[0][5] = 0.25
+    assert fingerprint_from_tensor(plan()) == reference(tensors, offsets)
+    assert plan._native is not None
 
 
 def test_ranks_that_disagree_on_the_kernels_are_told_how_to_fix_it() -> None:
