@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from detection import native
+
 __all__ = ["TINY", "Expectation", "LayerCheck", "make_checks", "unit"]
 
 TINY = 1e-30
@@ -170,39 +172,58 @@ class LinearCheck(LayerCheck):
     def begin(self) -> None:
         super().begin()
         # once per step (the weights change only at the update): W.sum(0), the bound
-        # √N·‖W‖_F of ‖|W|.sum(0)‖₂, b.sum() and |b|.sum()
-        self._cols: tuple[torch.Tensor, torch.Tensor, torch.Tensor | float, Any] | None = None
+        # √N·‖W‖_F of ‖|W|.sum(0)‖₂, b.sum() and |b|.sum(); or the native kernel's copy
+        self._cols: tuple[torch.Tensor, torch.Tensor, Any, Any] | None = None
+        self._sums: torch.Tensor | None = None
 
-    def _weight_sums(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | float, Any]:
+    def _weight_sums(self) -> tuple[torch.Tensor, torch.Tensor, Any, Any] | torch.Tensor:
+        """``(W.sum(0), √N·‖W‖_F, b.sum(), |b|.sum())``, once a step; on a CPU the native
+        kernel's ``K + 3`` floats holding the same (:func:`detection.native.col_sums`)."""
+        if self._sums is not None:
+            return self._sums
         if self._cols is None:
             module = self.module
             assert isinstance(module, nn.Linear)
             w = module.weight.detach().float()
             # Σ_n |W_nk| ≤ √N·‖W_:k‖₂ (Cauchy-Schwarz), so ‖|W|.sum(0)‖₂ ≤ √N·‖W‖_F: one
             # contiguous norm instead of an |W| temporary and a column sum (a quarter looser
-            # for a dense W, whose τ calibration absorbs it).
-            bound = torch.linalg.vector_norm(w) * math.sqrt(w.shape[0])
-            bias = module.bias
-            if bias is None:
-                self._cols = (w.sum(0), bound, 0.0, 0.0)
+            # for a dense W, whose τ calibration absorbs it); on a CPU all in one pass.
+            root_n = math.sqrt(w.shape[0])
+            b = None if module.bias is None else module.bias.detach().float()
+            if native.abft_ok(w) and (b is None or native.abft_ok(b)):
+                self._sums = native.col_sums(w, b)
+                return self._sums
+            if b is None:
+                self._cols = (w.sum(0), torch.linalg.vector_norm(w) * root_n, 0.0, 0.0)
             else:
-                b = bias.detach().float()
-                self._cols = (w.sum(0), bound, b.sum(), b.abs().sum())
+                col, bound = w.sum(0), torch.linalg.vector_norm(w) * root_n
+                self._cols = (col, bound, b.sum(), b.abs().sum())
         return self._cols
 
     def forward(self, inputs: Any, output: torch.Tensor) -> Any:
         x = inputs[0]
         k = x.shape[-1]
         x2 = x.detach().reshape(-1, k)
-        col, col_bound, b_sum, b_abs = self._weight_sums()
+        sums = self._weight_sums()
         xf = x2.float()
         y2 = output.detach().reshape(-1, output.shape[-1]).float()
+        c = unit(output.dtype) * math.sqrt(k)
+        if isinstance(sums, torch.Tensor):
+            if native.abft_ok(xf, y2):
+                # on a CPU: one pass over x and y, the same ratio; nothing read back to Python
+                c_bound = c * math.sqrt(y2.shape[1])
+                ratio, x_frobenius = native.linear_forward(xf, y2, sums, c_bound, c, TINY)
+                self.note_forward(ratio)
+                return x2, x_frobenius
+            root_n = math.sqrt(y2.shape[1])
+            col, col_bound, b_sum, b_abs = sums[:k], sums[k] * root_n, sums[k + 1], sums[k + 2]
+        else:
+            col, col_bound, b_sum, b_abs = sums
         # y.sum(-1) - x @ W.sum(0) in one matrix-vector call (not on autocast's list: float32)
         residual = torch.addmv(y2.sum(-1), xf, col, alpha=-1.0)
         if isinstance(b_sum, torch.Tensor):
             residual = residual.sub_(b_sum)
         row_norms = torch.linalg.vector_norm(xf, dim=-1)
-        c = unit(output.dtype) * math.sqrt(k)
         # per row (‖x_row‖₂·√N‖W‖_F + |b|.sum())·u·√K: a bound of the products' magnitudes
         scale = (row_norms * (col_bound * c)).add_(b_abs * c + TINY)
         self.note_forward(residual.abs_().div_(scale).amax())
@@ -214,18 +235,26 @@ class LinearCheck(LayerCheck):
         xf = x2.float()
         d2 = dy.reshape(-1, dy.shape[-1]).float()
         rows, n = d2.shape
-        r = d2.sum(-1)
         # One whole-tensor norm bounds both: ‖x‖_F·√N·‖dy‖_F ≥ every |x|.T @ |dy|.sum(-1)
         # (‖dy_row‖₁ ≤ √N·‖dy_row‖₂, then Cauchy-Schwarz over the rows), and
-        # √(N·M)·‖dy‖_F ≥ ‖dy‖₁ for the bias. A dot product of the contiguous gradient with
-        # itself is the one-pass sum of squares (``vector_norm`` takes twice as long on CPU).
-        flat = d2.reshape(-1)
-        dy_norm = torch.dot(flat, flat).sqrt_() if flat.is_contiguous() else flat.norm()
+        # √(N·M)·‖dy‖_F ≥ ‖dy‖₁ for the bias. On a CPU the row sums and the norm are one pass;
+        # elsewhere a dot product of the contiguous gradient with itself is the one-pass sum of
+        # squares (``vector_norm`` takes twice as long).
+        if native.abft_ok(d2):
+            r, dy_norm = native.row_sums(d2)
+        else:
+            r = d2.sum(-1)
+            flat = d2.reshape(-1)
+            dy_norm = torch.dot(flat, flat).sqrt_() if flat.is_contiguous() else flat.norm()
         self.expect(True, torch.mv(xf.t(), r), x_frobenius * dy_norm * math.sqrt(n), rows, dy.dtype)
         self.expect(False, r.sum(), dy_norm * math.sqrt(n * rows), rows, dy.dtype)
 
     def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
-        return gradient.sum(0) if is_weight else gradient.sum()
+        if not is_weight:
+            return gradient.sum()
+        if gradient.dim() == 2 and native.abft_ok(gradient):
+            return native.col_sums(gradient)[: gradient.shape[1]]
+        return gradient.sum(0)
 
 
 class EmbeddingCheck(LayerCheck):
@@ -310,7 +339,13 @@ class NormCheck(LayerCheck):
         if dim != -1:
             xh, dy = xh.movedim(dim, -1), dy.movedim(dim, -1)
         d2 = dy.reshape(-1, width).float()
-        p = d2 * xh.reshape(-1, width)
+        xh2 = xh.reshape(-1, width)
+        if native.abft_ok(d2, xh2):  # on a CPU: the four channel sums in one pass
+            sums = native.norm_grad(d2, xh2)
+            self.expect(True, sums[0], sums[1], d2.shape[0], dy.dtype)
+            self.expect(False, sums[2], sums[3], d2.shape[0], dy.dtype)
+            return
+        p = d2 * xh2
         mag_b = d2.abs().sum(0)
         self.expect(True, p.sum(0), p.abs().sum(0) + mag_b, d2.shape[0], dy.dtype)
         self.expect(False, d2.sum(0), mag_b, d2.shape[0], dy.dtype)

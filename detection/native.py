@@ -53,11 +53,16 @@ import torch
 __all__ = [
     "NativeUnavailable",
     "PointerList",
+    "abft_ok",
     "available",
+    "col_sums",
     "fingerprint",
     "is_enabled",
+    "linear_forward",
     "nonfinite",
     "nonfinite_kind",
+    "norm_grad",
+    "row_sums",
     "set_enabled",
     "stats_f32",
     "stats_kind_ok",
@@ -190,6 +195,15 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sdc_nonfinite.restype = i32
     lib.sdc_fingerprint.argtypes = [i64, p, p, p, p, p]
     lib.sdc_fingerprint.restype = i32
+    f = ctypes.c_float
+    lib.sdc_linear_forward_f32.argtypes = [p, p, p, i64, i64, i64, f, f, f, p]
+    lib.sdc_linear_forward_f32.restype = None
+    lib.sdc_row_sums_f32.argtypes = [p, i64, i64, p, p]
+    lib.sdc_row_sums_f32.restype = None
+    lib.sdc_col_sums_f32.argtypes = [p, i64, i64, p, p, p]
+    lib.sdc_col_sums_f32.restype = None
+    lib.sdc_norm_grad_f32.argtypes = [p, p, i64, i64, p]
+    lib.sdc_norm_grad_f32.restype = None
     return lib
 
 
@@ -300,6 +314,86 @@ def fingerprint(pointers: PointerList) -> torch.Tensor:
     )
     if got < 0:
         raise ValueError("a tensor whose element size the fingerprint kernel has no code for")
+    return out
+
+
+def abft_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the ABFT kernels below take these tensors (float32, contiguous, on the CPU) and
+    run here; the caller keeps its torch path otherwise."""
+    return all(stats_kind_ok(t) for t in tensors) and available()
+
+
+def linear_forward(
+    x: torch.Tensor, y: torch.Tensor, sums: torch.Tensor, c_bound: float, c: float, tiny: float
+) -> torch.Tensor:
+    """The forward row checksum of ``y = x Wᵀ + b`` (``x``: rows x K, ``y``: rows x N,
+    ``sums``: :func:`col_sums` of ``W`` and ``b``) in one pass over ``x`` and ``y``: a float32
+    tensor of 2, ``[max_i |y_i.sum() - x_i @ W.sum(0) - Σb| / (‖x_i‖₂·‖W‖_F·c_bound +
+    Σ|b|·c + tiny), ‖x‖_F]`` (NaN first when any row's ratio is NaN)."""
+    for t in (x, y, sums):
+        _check(t)
+    rows, k = x.shape
+    if y.shape[0] != rows or sums.numel() != k + 3:
+        raise ValueError(f"x {tuple(x.shape)}, y {tuple(y.shape)}, sums {tuple(sums.shape)}")
+    out = torch.empty(2, dtype=torch.float32)
+    _lib().sdc_linear_forward_f32(
+        x.data_ptr(),
+        y.data_ptr(),
+        sums.data_ptr(),
+        rows,
+        k,
+        y.shape[1],
+        c_bound,
+        c,
+        tiny,
+        out.data_ptr(),
+    )
+    return out
+
+
+def row_sums(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d.sum(-1), ‖d‖_F)`` of a float32 matrix in one pass (float32; the norm's square summed
+    in float64)."""
+    _check(d)
+    rows, n = d.shape
+    out = torch.empty(rows + 1, dtype=torch.float32)
+    _lib().sdc_row_sums_f32(d.data_ptr(), rows, n, out.data_ptr(), out[rows:].data_ptr())
+    return out[:rows], out[rows]
+
+
+def col_sums(w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[w.sum(0), ‖w‖_F, Σ bias, Σ |bias|]`` of a float32 matrix (and its bias; zeros
+    without) as one float32 tensor of ``K + 3``, one pass, accumulated in float64."""
+    _check(w)
+    rows, k = w.shape
+    if bias is not None:
+        _check(bias)
+        if bias.numel() != rows:
+            raise ValueError(f"bias of {bias.numel()} for {rows} rows")
+    out = torch.empty(k + 3, dtype=torch.float32)
+    work = torch.empty(k, dtype=torch.float64)
+    _lib().sdc_col_sums_f32(
+        w.data_ptr(),
+        rows,
+        k,
+        None if bias is None else bias.data_ptr(),
+        work.data_ptr(),
+        out.data_ptr(),
+    )
+    return out
+
+
+def norm_grad(d: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
+    """An affine normalisation's gradient checksums in one pass over the output gradient ``d``
+    and the recomputed ``x̂`` (both rows x width): per channel ``[Σ d·x̂, Σ |d·x̂| + Σ |d|,
+    Σ d, Σ |d|]`` as one float32 tensor of 4 x width (accumulated in float64)."""
+    for t in (d, xh):
+        _check(t)
+    if d.dim() != 2 or d.shape != xh.shape:
+        raise ValueError(f"d {tuple(d.shape)} and x̂ {tuple(xh.shape)}: two equal matrices")
+    rows, width = d.shape
+    out = torch.empty(4, width, dtype=torch.float32)
+    _lib().sdc_norm_grad_f32(d.data_ptr(), xh.data_ptr(), rows, width, out.data_ptr())
     return out
 
 

@@ -241,3 +241,185 @@ int32_t sdc_fingerprint(int64_t count, const void *const *ptrs, const int64_t *n
     memcpy(&out[1], &b, sizeof b);
     return 0;
 }
+
+/* ---- ABFT of nn.Linear (detection/abft_layers.py): the checksums' passes fused, one read of
+ * each operand instead of two or three. Nothing here is compared across ranks, so the lane
+ * order only has to be as accurate as torch's reductions, which it is (float32 lanes; the
+ * column sums in float64). */
+
+/* Σ_l a_l·b_l and Σ_l a_l² of one row of k floats: float32 lanes, two accumulators each
+ * (blocks of 16 alternate), so the additions do not wait on one another. */
+static inline void dot_and_square(const float *a, const float *b, int64_t k, float *dot,
+                                  float *sq) {
+    v16f d0 = {0}, d1 = {0}, s0 = {0}, s1 = {0};
+    int64_t l = 0;
+    for (; l + 2 * LANES <= k; l += 2 * LANES) {
+        v16f a0 = load16f(a + l), b0 = load16f(b + l);
+        v16f a1 = load16f(a + l + LANES), b1 = load16f(b + l + LANES);
+        d0 += a0 * b0;
+        s0 += a0 * a0;
+        d1 += a1 * b1;
+        s1 += a1 * a1;
+    }
+    for (; l < k; l += LANES) {
+        int64_t m = k - l < LANES ? k - l : LANES;
+        v16f va = m == LANES ? load16f(a + l) : partial16f(a + l, m);
+        v16f vb = m == LANES ? load16f(b + l) : partial16f(b + l, m);
+        d0 += va * vb;
+        s0 += va * va;
+    }
+    *dot = tree16f(d0 + d1);
+    *sq = tree16f(s0 + s1);
+}
+
+/* Σ_j a_j of one row of n floats (float32 lanes, four accumulators); with sq, also Σ_j a_j². */
+static inline float row_sum(const float *a, int64_t n, float *sq) {
+    v16f c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, s0 = {0}, s1 = {0};
+    int64_t j = 0;
+    for (; j + 4 * LANES <= n; j += 4 * LANES) {
+        v16f v0 = load16f(a + j), v1 = load16f(a + j + LANES);
+        v16f v2 = load16f(a + j + 2 * LANES), v3 = load16f(a + j + 3 * LANES);
+        c0 += v0;
+        c1 += v1;
+        c2 += v2;
+        c3 += v3;
+        if (sq) {
+            s0 += v0 * v0 + v2 * v2;
+            s1 += v1 * v1 + v3 * v3;
+        }
+    }
+    for (; j < n; j += LANES) {
+        int64_t m = n - j < LANES ? n - j : LANES;
+        v16f v = m == LANES ? load16f(a + j) : partial16f(a + j, m);
+        c0 += v;
+        if (sq) s0 += v * v;
+    }
+    if (sq) *sq = tree16f(s0 + s1);
+    return tree16f((c0 + c1) + (c2 + c3));
+}
+
+/* The forward row checksum of y = x Wᵀ + b over `rows` rows (x: rows x k, y: rows x n; sums:
+ * sdc_col_sums_f32's k + 3 floats [W.sum(0), ‖W‖_F, Σ b, Σ |b|]): residual_i = Σ_j y_ij −
+ * x_i · W.sum(0) − Σ b and ‖x_i‖₂, in one pass over x and y. out[0] = max_i |residual_i| /
+ * (‖x_i‖₂·‖W‖_F·c_bound + Σ|b|·c + tiny) (NaN when any ratio is NaN, as torch's amax),
+ * out[1] = ‖x‖_F. The scalars stay in memory the caller's tensors share: nothing is read
+ * back to Python between the two kernels. */
+void sdc_linear_forward_f32(const float *x, const float *y, const float *sums, int64_t rows,
+                            int64_t k, int64_t n, float c_bound, float c, float tiny,
+                            float *out) {
+    const float cb = sums[k] * c_bound, b_sum = sums[k + 1], ba = sums[k + 2] * c + tiny;
+    float peak = 0.0f;
+    int nan = 0;
+    double frob = 0.0;
+    for (int64_t i = 0; i < rows; i++) {
+        float dot, sq;
+        dot_and_square(x + i * k, sums, k, &dot, &sq);
+        float residual = row_sum(y + i * n, n, NULL) - dot - b_sum;
+        float ratio = fabsf(residual) / (sqrtf(sq) * cb + ba);
+        if (ratio != ratio)
+            nan = 1;
+        else if (ratio > peak)
+            peak = ratio;
+        frob += (double)sq;
+    }
+    out[0] = nan ? NAN : peak;
+    out[1] = (float)sqrt(frob);
+}
+
+/* The weight-gradient checksum's read of the output gradient d (rows x n): r_i = Σ_j d_ij
+ * (float32) and *norm = ‖d‖_F (its square summed in float64 over rows), one pass. */
+void sdc_row_sums_f32(const float *d, int64_t rows, int64_t n, float *r, float *norm) {
+    double total = 0.0;
+    for (int64_t i = 0; i < rows; i++) {
+        float sq;
+        r[i] = row_sum(d + i * n, n, &sq);
+        total += (double)sq;
+    }
+    *norm = (float)sqrt(total);
+}
+
+/* Once per step, the weight's part of the forward checksum (w: rows x k, bias: rows floats or
+ * NULL): out = [col_l = Σ_i w_il (accumulated in float64 in `acc`, k doubles the caller
+ * provides, then rounded), ‖w‖_F, Σ b, Σ |b|] (k + 3 floats; float64 sums), one pass. */
+void sdc_col_sums_f32(const float *w, int64_t rows, int64_t k, const float *bias, double *acc,
+                      float *out) {
+    double total = 0.0;
+    int64_t whole = k - k % 8;
+    memset(acc, 0, (size_t)k * sizeof(double));
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row = w + i * k;
+        v8d s = {0};
+        for (int64_t l = 0; l < whole; l += 8) {
+            v8f v;
+            memcpy(&v, row + l, sizeof v);
+            v8d a;
+            memcpy(&a, acc + l, sizeof a);
+            v8d vd = __builtin_convertvector(v, v8d);
+            a += vd;
+            s += vd * vd;
+            memcpy(acc + l, &a, sizeof a);
+        }
+        double t[8];
+        memcpy(t, &s, sizeof t);
+        for (int j = 0; j < 8; j++) total += t[j];
+        for (int64_t l = whole; l < k; l++) {
+            acc[l] += (double)row[l];
+            total += (double)row[l] * (double)row[l];
+        }
+    }
+    for (int64_t l = 0; l < k; l++) out[l] = (float)acc[l];
+    double b_sum = 0.0, b_abs = 0.0;
+    if (bias)
+        for (int64_t i = 0; i < rows; i++) {
+            b_sum += (double)bias[i];
+            b_abs += fabs((double)bias[i]);
+        }
+    out[k] = (float)sqrt(total);
+    out[k + 1] = (float)b_sum;
+    out[k + 2] = (float)b_abs;
+}
+
+/* The affine normalisation's gradient checksums (NormCheck) over `rows` rows of `width`
+ * channels, one pass over the output gradient d and the recomputed x̂: out = [Σ d·x̂,
+ * Σ |d·x̂| + Σ |d|, Σ d, Σ |d|] per channel (4 x width floats: the weight's expectation and
+ * its magnitude, then the bias's), accumulated in float64. Column blocks of 8 down every row:
+ * the four accumulators stay in registers. */
+void sdc_norm_grad_f32(const float *d, const float *xh, int64_t rows, int64_t width,
+                       float *out) {
+    const v8q abs_bits = (v8q){0} + 0x7fffffffffffffffull;
+    int64_t whole = width - width % 8;
+    for (int64_t l = 0; l < whole; l += 8) {
+        v8d a = {0}, b = {0}, c = {0}, e = {0};
+        for (int64_t i = 0; i < rows; i++) {
+            v8f fd, fx;
+            memcpy(&fd, d + i * width + l, sizeof fd);
+            memcpy(&fx, xh + i * width + l, sizeof fx);
+            v8d vd = __builtin_convertvector(fd, v8d), vx = __builtin_convertvector(fx, v8d);
+            v8d p = vd * vx, ad = (v8d)((v8q)vd & abs_bits);
+            a += p;
+            b += (v8d)((v8q)p & abs_bits) + ad;
+            c += vd;
+            e += ad;
+        }
+        v8f fa = __builtin_convertvector(a, v8f), fb = __builtin_convertvector(b, v8f);
+        v8f fc = __builtin_convertvector(c, v8f), fe = __builtin_convertvector(e, v8f);
+        memcpy(out + l, &fa, sizeof fa);
+        memcpy(out + width + l, &fb, sizeof fb);
+        memcpy(out + 2 * width + l, &fc, sizeof fc);
+        memcpy(out + 3 * width + l, &fe, sizeof fe);
+    }
+    for (int64_t l = whole; l < width; l++) {
+        double a = 0, b = 0, c = 0, e = 0;
+        for (int64_t i = 0; i < rows; i++) {
+            double vd = (double)d[i * width + l], p = vd * (double)xh[i * width + l];
+            a += p;
+            b += fabs(p) + fabs(vd);
+            c += vd;
+            e += fabs(vd);
+        }
+        out[l] = (float)a;
+        out[width + l] = (float)b;
+        out[2 * width + l] = (float)c;
+        out[3 * width + l] = (float)e;
+    }
+}

@@ -7,13 +7,14 @@ floor in float32 and bf16, and a flip that makes one gradient element *smaller* 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from detection import native
 from detection.abft import LinearChecksums
 from detection.faults import flip_bit_
 from detection.model import ModelConfig, TinyTransformer, make_batch
@@ -46,8 +47,20 @@ def _check(model: nn.Module, abft: LinearChecksums) -> torch.Tensor:
     return abft.ratios().view(-1, 2)
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The Linear checksums both ways: :mod:`detection.native`'s fused passes on a CPU, and
+    torch's ops (a GPU, a host without a C compiler, ``SDCGUARD_NATIVE=0``)."""
+    was = native.is_enabled()
+    native.set_enabled(request.param == "native")
+    if request.param == "native":
+        assert native.available(), native.unavailable_reason()
+    yield request.param
+    native.set_enabled(was)
+
+
 @pytest.mark.parametrize("build", [_tiny, _mlp], ids=["builtin", "mlp"])
-def test_every_parameter_is_covered_and_clean_ratios_stay_small(build: Any) -> None:
+def test_every_parameter_is_covered_and_clean_ratios_stay_small(build: Any, kernels: str) -> None:
     torch.manual_seed(0)
     model, loss = build()
     abft = LinearChecksums(model, list(model.parameters()))
@@ -69,10 +82,13 @@ def test_every_parameter_is_covered_and_clean_ratios_stay_small(build: Any) -> N
         (_tiny, "blocks.0.norm1"),  # LayerNorm
         (_tiny, "blocks.0.norm2"),  # BatchNorm over (batch, time, features)
         (_mlp, "1"),  # BatchNorm1d
+        (_tiny, "blocks.0.mlp.fc"),  # Linear, weight and bias
+        (_tiny, "head"),
+        (_mlp, "4"),
     ],
 )
 def test_a_gradient_flip_that_shrinks_an_element_breaks_its_layers_checksum(
-    build: Any, module: str
+    build: Any, module: str, kernels: str
 ) -> None:
     torch.manual_seed(0)
     model, loss = build()
