@@ -18,6 +18,8 @@ optimizer:
   is the difference of the two rows;
 * ``abft``     — ``checks`` with the ABFT checksums (``abft=True``): the default configuration
   of an eager model (``GuardConfig.abft=None`` turns them on unless the model is compiled);
+* ``abft-torch`` — ``abft`` with the C kernels switched off, as ``torch`` is ``checks``: the
+  pair measures the checksums' fused passes side by side;
 * ``state``    — the same with ``vote_optimizer_state=True`` (the vote also reads Adam's two
   moments, so an optimizer-state fault is named at its own step);
 * ``loss``     — SDCGuard auditing every step in ``loss`` mode;
@@ -94,6 +96,7 @@ VARIANTS = (
     "defer",
     "bare",
     "abft",
+    "abft-torch",
     "state",
     "loss",
     "gradient",
@@ -106,6 +109,7 @@ ROWS = (
     ("  (torch ops, native kernels off)", "torch", 0, None, None),
     ("  (per-step layer off)", "bare", 0, 1.074, 1.02),
     ("  (+ ABFT checksums = default)", "abft", 0, None, 1.10),
+    ("  (ABFT, native kernels off)", "abft-torch", 0, None, None),
     ("  (+ optimizer-state vote)", "state", 0, None, None),
     ("loss audit every 10 steps", "loss", 10, 1.125, 1.05),
     ("loss audit every 100 steps", "loss", 100, 1.076, 1.025),
@@ -203,10 +207,11 @@ def _placement(bench: Bench, rank: int) -> tuple[torch.device, str]:
 
 @contextlib.contextmanager
 def _kernels(variant: str) -> Iterator[None]:
-    """The ``torch`` variant runs with :mod:`detection.native` switched off (on every rank, as
-    the guard requires): its row is ``checks`` on torch's ops, so the pair measures the kernels
-    side by side. Every other variant runs with the library's default."""
-    if variant != "torch":
+    """The ``torch`` and ``abft-torch`` variants run with :mod:`detection.native` switched off
+    (on every rank, as the guard requires): their rows are ``checks`` and ``abft`` on torch's
+    ops, so each pair measures the kernels side by side. Every other variant runs with the
+    library's default."""
+    if variant not in ("torch", "abft-torch"):
         yield
         return
     was = native.is_enabled()
@@ -252,6 +257,7 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
         "defer": (0, "loss", False),
         "bare": (0, "loss", False),
         "abft": (0, "loss", False),
+        "abft-torch": (0, "loss", False),
         "state": (0, "loss", True),
         "loss": (1, "loss", False),
         "gradient": (1, "gradient", False),
@@ -267,7 +273,7 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
                 audit_mode=mode,
                 vote_optimizer_state=state,
                 step_checks=name != "bare",
-                abft=name == "abft",
+                abft=name in ("abft", "abft-torch"),
                 defer_decision=name == "defer",
                 # a short warm-up, so the rounds measure the tests in force, not calibration
                 stats=StatsConfig(warmup=3),
