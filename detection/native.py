@@ -7,7 +7,10 @@ sums. ``native_kernels.c`` does each in one pass and one call over a list of raw
 (one thread, data in cache: 2.4M float32 gradient elements' three statistics in 0.54 ms
 against 1.5 ms; 2.7M weights fingerprinted in 1.7-2.1 ms against 2.8 ms; in a training step,
 where the data come from memory, the gain is smaller: ``benchmarks/overhead.py``, row
-``torch ops, native kernels off``).
+``torch ops, native kernels off``). The ABFT checksums' passes (:mod:`detection.abft_layers`)
+are here for the same reason: a Linear's forward check reads ``x`` and ``y`` once instead of
+three passes, its gradient check ``dy`` once instead of two, a normalisation's four channel
+sums are one pass instead of eight ops (row ``ABFT, native kernels off``).
 
 How it is built: on first use, by the C compiler the Python build names (``CC`` overrides it),
 with ``-O3 -march=native``, into ``$SDCGUARD_CACHE_DIR`` (default ``~/.cache/sdcguard``; the
