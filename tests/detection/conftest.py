@@ -8,11 +8,12 @@ returns comes back pickled, in rank order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
+from detection import native
 from detection.harness import TrainConfig, run
 from detection.workloads import launch
 
@@ -28,3 +29,15 @@ def run_ranks(
 def clean_reference() -> dict[str, Any]:
     """A short clean 4-rank job every fault test compares its final fingerprint against."""
     return run(TrainConfig(world_size=4, steps=10, audit_every=4, seed=3))
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A test both ways: :mod:`detection.native`'s C kernels (a CPU with a compiler, the
+    default), and torch's ops (a GPU, a host without a C compiler, ``SDCGUARD_NATIVE=0``)."""
+    was = native.is_enabled()
+    native.set_enabled(request.param == "native")
+    if request.param == "native":
+        assert native.available(), native.unavailable_reason()
+    yield request.param
+    native.set_enabled(was)

@@ -7,14 +7,13 @@ floor in float32 and bf16, and a flip that makes one gradient element *smaller* 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from detection import native
 from detection.abft import LinearChecksums
 from detection.faults import flip_bit_
 from detection.model import ModelConfig, TinyTransformer, make_batch
@@ -45,18 +44,6 @@ def _check(model: nn.Module, abft: LinearChecksums) -> torch.Tensor:
     abft.on_local_gradient([(p, p.grad) for p in model.parameters() if p.grad is not None])
     abft.close()
     return abft.ratios().view(-1, 2)
-
-
-@pytest.fixture(params=["native", "torch"])
-def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The Linear checksums both ways: :mod:`detection.native`'s fused passes on a CPU, and
-    torch's ops (a GPU, a host without a C compiler, ``SDCGUARD_NATIVE=0``)."""
-    was = native.is_enabled()
-    native.set_enabled(request.param == "native")
-    if request.param == "native":
-        assert native.available(), native.unavailable_reason()
-    yield request.param
-    native.set_enabled(was)
 
 
 @pytest.mark.parametrize("build", [_tiny, _mlp], ids=["builtin", "mlp"])

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from detection import allreduce_check, native
+from detection import allreduce_check
 from detection.abft import LinearChecksums
 from detection.allreduce_check import (
     CHUNK,
@@ -189,18 +188,6 @@ def _clean_values(rng: random.Random, world: int, level: float) -> list[dict[str
         {"loss": math.exp(rng.gauss(0.5, 0.1)), "l2[0]": math.exp(rng.gauss(level, 0.15))}
         for _ in range(world)
     ]
-
-
-@pytest.fixture(params=["native", "torch"])
-def kernels(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The per-step sums both ways: :mod:`detection.native`'s kernel, and torch's ops (a host
-    without a C compiler, ``SDCGUARD_NATIVE=0``)."""
-    was = native.is_enabled()
-    native.set_enabled(request.param == "native")
-    if request.param == "native":
-        assert native.available(), native.unavailable_reason()
-    yield request.param
-    native.set_enabled(was)
 
 
 @pytest.mark.parametrize("numel", [1, 1_000, WIDE_MAX, WIDE_MAX + 1, 200_003])
