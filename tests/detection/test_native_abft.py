@@ -5,12 +5,15 @@ definition — small on a clean layer, the corrupted element's own size when one
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from detection import native
+from detection.abft import LinearChecksums
 from detection.abft_layers import TINY, unit
 from detection.faults import flip_bit_
 
@@ -130,3 +133,40 @@ def test_the_normalisation_gradient_sums_are_the_float64_values(shape: tuple[int
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="two equal matrices"):
         native.norm_grad(d, torch.zeros(rows, width + 1))
+
+
+class _TransposedInput(nn.Module):
+    """A Linear fed a transposed view: its input rows are not contiguous, so the forward check
+    takes torch's ops on the weight sums the kernel made."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 5)
+        self.transposed = transposed
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        x = a.t()
+        return self.lin(x if self.transposed else x.contiguous())
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_a_linear_whose_input_the_kernel_cannot_read_is_still_checked(transposed: bool) -> None:
+    torch.manual_seed(0)
+    model = _TransposedInput(transposed)
+    flip: list[int] = []
+
+    def corrupt(_m: nn.Module, _i: Any, y: torch.Tensor) -> None:
+        if flip:
+            flip_bit_(y.detach().view(-1), flip[0], 30)
+
+    model.lin.register_forward_hook(corrupt)  # before the checksum's hook: it sees the flip
+    abft = LinearChecksums(model, list(model.parameters()))
+    a = torch.randn(8, 16)
+    for corrupted in (False, True):
+        flip[:] = [37] if corrupted else []
+        abft.open()
+        with torch.no_grad():
+            model(a)
+        abft.close()
+        forward = abft.ratios().view(-1, 2)[0, 0].item()
+        assert (forward > 1e3) if corrupted else (forward < 1.0), (transposed, forward)
