@@ -242,10 +242,10 @@ int32_t sdc_fingerprint(int64_t count, const void *const *ptrs, const int64_t *n
     return 0;
 }
 
-/* ---- ABFT of nn.Linear (detection/abft_layers.py): the checksums' passes fused, one read of
- * each operand instead of two or three. Nothing here is compared across ranks, so the lane
- * order only has to be as accurate as torch's reductions, which it is (float32 lanes; the
- * column sums in float64). */
+/* ---- ABFT of nn.Linear and the affine normalisations (detection/abft_layers.py): the
+ * checksums' passes fused, one read of each operand instead of two or three. Nothing here is
+ * compared across ranks, so the lane order only has to be as accurate as torch's reductions
+ * (float32 lanes for the row reductions; the column and channel sums in float64). */
 
 /* Σ_l a_l·b_l and Σ_l a_l² of one row of k floats: float32 lanes, two accumulators each
  * (blocks of 16 alternate), so the additions do not wait on one another. */

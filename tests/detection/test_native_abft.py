@@ -1,6 +1,7 @@
-"""detection.native's ABFT passes for ``nn.Linear`` (:mod:`detection.abft_layers`): each fused
-pass against the float64 value of what it replaces, and the forward ratio against its
-definition — small on a clean layer, the corrupted element's own size when one is flipped."""
+"""detection.native's ABFT passes for ``nn.Linear`` and the affine normalisations
+(:mod:`detection.abft_layers`): each fused pass against the float64 value of what it replaces,
+and the Linear forward ratio against its definition — small on a clean layer, the corrupted
+element's own size when one is flipped."""
 
 from __future__ import annotations
 
