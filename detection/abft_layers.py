@@ -119,6 +119,8 @@ class LayerCheck:
     def _hook(self, _module: nn.Module, inputs: Any, output: Any) -> None:
         if not self.owner.is_open or not isinstance(output, torch.Tensor):
             return
+        if output.numel() == 0:  # an empty batch adds nothing to either identity
+            return
         with torch.no_grad(), _full_precision(output.device.type):
             saved = self.forward(inputs, output)
         if not output.requires_grad or self.shared:

@@ -95,3 +95,23 @@ def test_a_gradient_flip_that_shrinks_an_element_breaks_its_layers_checksum(
     assert ratios[index, 1].item() > 100.0, ratios.tolist()
     others = [i for i in range(len(abft.layers)) if i != index]
     assert ratios[others].max().item() < 1.0
+
+
+def test_an_empty_batch_is_no_call_and_the_next_one_is_checked(kernels: str) -> None:
+    """A forward over no rows (an empty last batch) contributes nothing to either identity: it
+    notes no ratio and raises nothing (torch's ``amax`` of nothing would), and a real batch in
+    the same step is still checked, gradient included."""
+    torch.manual_seed(0)
+    model, loss = _mlp()
+    abft = LinearChecksums(model, list(model.parameters()))
+    abft.open()
+    model.zero_grad(set_to_none=True)
+    first = model.get_submodule("0")
+    assert isinstance(first, nn.Linear)
+    first(torch.zeros(0, first.in_features))
+    loss(model, 0, False).backward()
+    ratios = _check(model, abft)
+    linear = [i for i, layer in enumerate(abft.layers) if isinstance(layer.module, nn.Linear)]
+    assert (ratios[:, 1] > 0).all(), ratios.tolist()  # every gradient checked
+    assert (ratios[linear, 0] > 0).all(), ratios.tolist()  # every Linear's forward too
+    assert ratios.max().item() < 1.0
