@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from detection.fingerprint_plan import FingerprintPlan
+from detection.host_row import wrap64
 from detection.vote import majority_vote, persistent_buffers, to_fingerprint
 
 __all__ = ["BUFFER_ROW", "BufferWatch", "buffer_finding"]
@@ -100,6 +101,32 @@ class BufferWatch:
     def forget_previous(self) -> None:
         """After a checkpoint load: the buffers changed on purpose since the last step."""
         self._previous_end = None
+
+    def row_on_host(self) -> list[int]:
+        """:meth:`row` as host ints, for a CPU job's row (:mod:`detection.host_row`): the same
+        words, the differences wrapped as int64 arithmetic wraps them."""
+        if not self.buffers:
+            return [0] * BUFFER_ROW
+        end = self._fingerprint()
+        ends = end.tolist()
+        after = [0, 0]
+        if self._after_forward is not None:
+            after = [wrap64(a - b) for a, b in zip(self._after_forward.tolist(), ends, strict=True)]
+        between = [0, 0]
+        if self._source and self._previous_end is not None and self._at_broadcast is not None:
+            between = [
+                wrap64(a - b)
+                for a, b in zip(
+                    self._previous_end.tolist(), self._at_broadcast.tolist(), strict=True
+                )
+            ]
+        self._previous_end = end
+        received = (
+            self._at_broadcast.tolist()
+            if self._broadcast and self._at_broadcast is not None
+            else [0, 0]
+        )
+        return [*received, *ends, *after, *between]
 
     def row(self) -> torch.Tensor:
         """This rank's ``BUFFER_ROW`` int64 values for the step's all-gather (on the device)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from detection import native_carry
 from detection.guard_config import GuardError
 from detection.vote import GatherInFlight
 
@@ -70,8 +71,8 @@ class RowInBucket:
         self.world_size = world_size
         self.group = group
         self.taken = False
-        self._shifts: torch.Tensor | None = None  # each chunk's bit offset, made in join
-        self._table: torch.Tensor | None = None
+        self._bits: int | None = None  # the chunk width of the bucket that took the row
+        self._slab: torch.Tensor | None = None  # the reduced slab, decoded when read
 
     @staticmethod
     def fits(words: int, world_size: int) -> bool:
@@ -82,40 +83,58 @@ class RowInBucket:
     def join(self, buffer: torch.Tensor, *, is_last: bool) -> torch.Tensor | None:
         """``[buffer / world, slab]`` for a summing all-reduce, the slab zero but for this
         rank's chunks; ``None`` when this bucket does not carry the row (too large, or a dtype
-        that cannot hold the chunks exactly), and then nothing was written."""
+        that cannot hold the chunks exactly), and then nothing was written. A float32 bucket on
+        a CPU takes :mod:`detection.native_carry`'s one pass (the same bits)."""
         bits = CHUNK_BITS.get(buffer.dtype)
         if bits is None or (buffer.numel() > BUCKET_CAP and not is_last):
             return None
-        k = 64 // bits
-        n, words = buffer.numel(), self.row.numel()
-        joined = torch.empty(
-            n + self.world_size * words * k, dtype=buffer.dtype, device=buffer.device
-        )
-        torch.div(buffer.reshape(-1), self.world_size, out=joined[:n])
-        slab = joined[n:].view(self.world_size, words, k)
-        slab.zero_()
-        self._shifts = torch.arange(0, 64, bits, dtype=torch.int64, device=buffer.device)
-        mask = (1 << bits) - 1
-        slab[self.rank].copy_(self.row.unsqueeze(1).bitwise_right_shift(self._shifts) & mask)
+        flat = buffer.reshape(-1)
+        if buffer.dtype == torch.float32 and native_carry.takes(flat, self.row):
+            joined = native_carry.join_f32(flat, self.row, world=self.world_size, rank=self.rank)
+        else:
+            joined = self._join_torch(flat, bits)
+        self._bits = bits
         self.taken = True
         return joined
 
+    def _join_torch(self, flat: torch.Tensor, bits: int) -> torch.Tensor:
+        k = 64 // bits
+        n, words = flat.numel(), self.row.numel()
+        joined = torch.empty(n + self.world_size * words * k, dtype=flat.dtype, device=flat.device)
+        torch.div(flat, self.world_size, out=joined[:n])
+        slab = joined[n:].view(self.world_size, words, k)
+        slab.zero_()
+        shifts = torch.arange(0, 64, bits, dtype=torch.int64, device=flat.device)
+        mask = (1 << bits) - 1
+        slab[self.rank].copy_(self.row.unsqueeze(1).bitwise_right_shift(shifts) & mask)
+        return joined
+
     def received(self, slab: torch.Tensor) -> None:
-        """Reassemble the words from the reduced slab that :meth:`join` made (on the device, no
-        synchronisation)."""
-        shifts = self._shifts
-        if shifts is None:
+        """Keep the reduced slab that :meth:`join` made; it is decoded when :meth:`table`
+        reads it, on the training thread (the callback that calls this may run on a thread of
+        the backend's, where every op costs more)."""
+        if self._bits is None:
             raise CarriedRowError(f"step {self.step}'s row was received without being sent")
-        chunks = slab.view(self.world_size, self.row.numel(), shifts.numel()).to(torch.int64)
+        self._slab = slab
+
+    def _decode(self, slab: torch.Tensor, bits: int) -> torch.Tensor:
+        """The words from the reduced slab (on its device, no synchronisation)."""
+        words = self.row.numel()
+        if slab.dtype == torch.float32 and native_carry.takes(slab, self.row):
+            table = native_carry.table_f32(slab, world=self.world_size, words=words)
+            if table is not None:
+                return table
+        shifts = torch.arange(0, 64, bits, dtype=torch.int64, device=slab.device)
+        chunks = slab.view(self.world_size, words, shifts.numel()).to(torch.int64)
         # The chunks' bits do not overlap: their sum is their bitwise OR, the top chunk's
         # shift wrapping into the sign as two's complement does.
-        self._table = chunks.bitwise_left_shift(shifts).sum(-1)
+        return chunks.bitwise_left_shift(shifts).sum(-1)
 
     def table(self) -> torch.Tensor:
         """The ``(world, words)`` int64 table on the host: carried, or all-gathered now if no
         all-reduce took the row (every rank reaches this point with the same answer)."""
-        if self._table is not None:
-            return self._table.cpu()
+        if self._slab is not None and self._bits is not None:
+            return self._decode(self._slab, self._bits).cpu()
         if self.taken:
             raise CarriedRowError(
                 f"the gradient all-reduce that carried step {self.step}'s decision row never "

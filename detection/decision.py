@@ -131,6 +131,26 @@ def step_row(
     return row
 
 
+def step_row_on_host(
+    step: int,
+    *,
+    flags: Sequence[int],
+    weights: Sequence[int],
+    state: Sequence[int],
+    own: Sequence[int],
+    replay: Sequence[int],
+    nf: int,
+    buffers: Sequence[int],
+    extra: Sequence[int] = (),
+) -> torch.Tensor:
+    """:func:`step_row` from host ints, on a CPU (:mod:`detection.host_row`): the same words in
+    the same layout, made a tensor once."""
+    words = [step, *flags, *weights, *state, *own, *replay, nf, *buffers]
+    if len(words) != ROW:
+        raise AssertionError(f"a row of {len(words)} words, the layout has {ROW}")
+    return torch.tensor([*words, *extra], dtype=torch.int64)
+
+
 def all_finite(rows: Sequence[Sequence[int]]) -> bool:
     """No rank's loss or gradient was non-finite in this step (from the gathered rows)."""
     for r in rows:

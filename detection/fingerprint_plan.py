@@ -74,7 +74,12 @@ from detection.fingerprint import (
 
 __all__ = ["FingerprintPlan"]
 
-_Key = list[tuple[int, torch.Size, tuple[int, ...], torch.dtype]]
+# What a plan is built for: each tensor's address and size, and whether all are contiguous.
+# Enough to know the words a build reads are still the tensors' words: a new storage moves the
+# address, a narrowed or re-typed view changes the size, a transposed one the contiguity; a
+# contiguous view of another shape over the same memory has the same words in the same order.
+# Read with map() over torch's methods (no shape objects made): a per-call cost on small models.
+_Key = tuple[list[int], list[int], bool]
 _TableFn = Callable[[list[torch.Tensor], torch.Tensor, tuple[int, ...]], torch.Tensor]
 
 
@@ -183,7 +188,12 @@ class FingerprintPlan:
         self._graphed = GraphedCall(self._compute, what="fingerprint plan")
 
     def _signature(self) -> _Key:
-        return [(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.tensors]
+        ts = self.tensors
+        return (
+            list(map(torch.Tensor.data_ptr, ts)),
+            list(map(torch.Tensor.numel, ts)),
+            all(map(torch.Tensor.is_contiguous, ts)),
+        )
 
     def _build(self, key: _Key) -> None:
         self._graphed.reset()  # a graph reads the old addresses and buffers

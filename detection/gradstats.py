@@ -203,6 +203,17 @@ class LocalGradStats:
         """``[n_buckets, (sum, l2, amax, reduced sum) per bucket in index order]`` (float64)."""
         return torch.cat(self.parts())
 
+    def values(self) -> list[float]:
+        """:meth:`row` as host floats, for a CPU job (:mod:`detection.host_row`): the same
+        float64 values, read where :meth:`parts` would copy and join them with an op each."""
+        keys = sorted(self._local)
+        out = [float(len(keys))]
+        for key in keys:
+            out.extend(self._local[key].tolist())
+            reduced = self._reduced.get(key)
+            out.append(math.nan if reduced is None else float(reduced))
+        return out
+
 
 def _log(value: float) -> float:
     return math.log(max(abs(value), _TINY))

@@ -79,11 +79,15 @@ from detection.calibration import GuardCounters, NotReplayableError
 from detection.carry import RowInBucket
 from detection.decision import (
     ROW,
+    STATE_NONFINITE,
     STEP,
+    STEPPED,
+    WEIGHTS_NONFINITE,
     StepDecision,
     any_nonfinite,
     flags_word,
     step_row,
+    step_row_on_host,
 )
 from detection.faults import FaultInjector, FaultSpec
 from detection.fingerprint import Fingerprint, fingerprint_on_device
@@ -101,6 +105,7 @@ from detection.guard_config import (
     GuardUsageError,
     Identity,
 )
+from detection.host_row import loss_word, on_host
 from detection.nonfinite import CheckedCommHook, CommHook
 from detection.replay import AutocastState, unwrap_ddp
 from detection.replay_mode import ReplayMode
@@ -610,7 +615,37 @@ class SDCGuard:
         # The per-step layer's row rides along (its float64 bits as int64 words), unless it
         # had to decide before the update: one collective, one host synchronisation per step.
         verdict = self.checks.hand_over()
-        row = step_row(
+        if on_host(self.device):
+            row = self._row_on_host(current, verdict, state_fp, poison_possible=poison_possible)
+        else:
+            row = self._row_on_device(current, verdict, state_fp, poison_possible=poison_possible)
+        if not self._defers(current):
+            self._settle(_Undecided(current, GatherInFlight.start(row, self.group), verdict))
+        elif self.hook.can_carry and RowInBucket.fits(row.numel(), self.world_size):
+            # In the next step's gradient all-reduce (detection.carry): no collective of its own.
+            carried = RowInBucket(
+                row, step=current.step, rank=self.rank, world_size=self.world_size, group=self.group
+            )
+            self.hook.carry(carried)
+            self._undecided = _Undecided(current, carried, verdict)
+        else:
+            self._undecided = _Undecided(current, GatherInFlight.start(row, self.group), verdict)
+
+    def _row_on_device(
+        self,
+        current: _Step,
+        verdict: CarriedVerdict,
+        state_fp: torch.Tensor,
+        *,
+        poison_possible: bool,
+    ) -> torch.Tensor:
+        """The step's row assembled on the device, with no host synchronisation (a GPU)."""
+        if current.loss is None:
+            raise GuardUsageError("the step's loss never went through guard.backward()")
+        extra = verdict.row
+        if isinstance(extra, list):
+            extra = torch.tensor(extra, dtype=torch.int64, device=self.device)
+        return step_row(
             current.step,
             flags=self.hook.flags(),
             weights=self._weights_fingerprint(),
@@ -623,19 +658,38 @@ class SDCGuard:
                 state_nonfinite=self.checks.state_flag(),
             ),
             buffers=self.buffers.row(),
-            extra=verdict.row,
+            extra=extra,
         )
-        if not self._defers(current):
-            self._settle(_Undecided(current, GatherInFlight.start(row, self.group), verdict))
-        elif self.hook.can_carry and RowInBucket.fits(row.numel(), self.world_size):
-            # In the next step's gradient all-reduce (detection.carry): no collective of its own.
-            carried = RowInBucket(
-                row, step=current.step, rank=self.rank, world_size=self.world_size, group=self.group
-            )
-            self.hook.carry(carried)
-            self._undecided = _Undecided(current, carried, verdict)
-        else:
-            self._undecided = _Undecided(current, GatherInFlight.start(row, self.group), verdict)
+
+    def _row_on_host(
+        self,
+        current: _Step,
+        verdict: CarriedVerdict,
+        state_fp: torch.Tensor,
+        *,
+        poison_possible: bool,
+    ) -> torch.Tensor:
+        """The same words read on the host, on a CPU (:mod:`detection.host_row`)."""
+        if current.loss is None:
+            raise GuardUsageError("the step's loss never went through guard.backward()")
+        weights_nonfinite = int(any_nonfinite(self.params)) if poison_possible else 0
+        nf = (
+            STATE_NONFINITE * self.checks.state_flag_on_host()
+            + WEIGHTS_NONFINITE * weights_nonfinite
+            + STEPPED * bool(current.stepped)
+        )
+        extra = verdict.row
+        return step_row_on_host(
+            current.step,
+            flags=self.hook.flags_on_host(),
+            weights=self._weights_fingerprint().tolist(),
+            state=state_fp.tolist(),
+            own=[loss_word(current.loss), *self.hook.gradient_fingerprint_on_host()],
+            replay=current.replay.tolist() if current.replay is not None else [0, 0, 0],
+            nf=nf,
+            buffers=self.buffers.row_on_host(),
+            extra=extra.tolist() if isinstance(extra, torch.Tensor) else extra or (),
+        )
 
     def _defers(self, current: _Step) -> bool:
         """Whether this step's decision waits for the next step (``defer_decision``). Never in

@@ -207,6 +207,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sdc_col_sums_f32.restype = None
     lib.sdc_norm_grad_f32.argtypes = [p, p, i64, i64, p]
     lib.sdc_norm_grad_f32.restype = None
+    lib.sdc_carry_join_f32.argtypes = [p, i64, i64, p, i64, i64, p]
+    lib.sdc_carry_join_f32.restype = None
+    lib.sdc_carry_table_f32.argtypes = [p, i64, i64, p]
+    lib.sdc_carry_table_f32.restype = i32
     return lib
 
 

@@ -423,3 +423,36 @@ void sdc_norm_grad_f32(const float *d, const float *xh, int64_t rows, int64_t wi
         out[3 * width + l] = (float)e;
     }
 }
+
+/* A decision row carried in a float32 gradient all-reduce (detection/carry.py): joined[0:n] =
+ * buf / world (true division, as torch.div and DDP's own hook round it), then a (world x words
+ * x 4) slab of zeros but for this rank's slot, where chunk j of word w is bits 16j..16j+15 of
+ * row[w] as a float (an integer below 2^16, exact). One pass, no temporaries. */
+void sdc_carry_join_f32(const float *buf, int64_t n, int64_t world, const int64_t *row,
+                        int64_t words, int64_t rank, float *joined) {
+    const float divisor = (float)world;
+    for (int64_t i = 0; i < n; i++) joined[i] = buf[i] / divisor;
+    float *slab = joined + n;
+    memset(slab, 0, (size_t)(world * words * 4) * sizeof(float));
+    float *own = slab + rank * words * 4;
+    for (int64_t w = 0; w < words; w++) {
+        uint64_t word = (uint64_t)row[w];
+        for (int j = 0; j < 4; j++) own[w * 4 + j] = (float)((word >> (16 * j)) & 0xffffu);
+    }
+}
+
+/* The reduced slab back into words: table[r][w] = Σ_j chunk << 16j (the chunks' bits do not
+ * overlap; the top one wraps into the sign as two's complement). Returns -1 when a chunk is
+ * not an integer in [0, 2^16) (the slab did not come through the all-reduce as sent), else 0. */
+int32_t sdc_carry_table_f32(const float *slab, int64_t world, int64_t words, int64_t *table) {
+    for (int64_t i = 0; i < world * words; i++) {
+        uint64_t word = 0;
+        for (int j = 0; j < 4; j++) {
+            float c = slab[i * 4 + j];
+            if (!(c >= 0.0f && c < 65536.0f) || c != (float)(uint32_t)c) return -1;
+            word |= (uint64_t)(uint32_t)c << (16 * j);
+        }
+        table[i] = (int64_t)word;
+    }
+    return 0;
+}

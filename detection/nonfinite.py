@@ -36,6 +36,7 @@ from detection.allreduce_check import native_chunk
 from detection.carry import RowInBucket
 from detection.faults import FaultInjector
 from detection.fingerprint import fingerprint_on_device
+from detection.host_row import nonfinite_sums
 
 __all__ = [
     "BucketObserver",
@@ -134,6 +135,7 @@ class CheckedCommHook:
         self._inner: CommHook = inner if inner is not None else allreduce_hook
         self._inner_state = inner_state if inner is not None else process_group
         self._group = process_group
+        self._world = 0  # the group's size, read at the first all-reduce
         self._carry: RowInBucket | None = None
         self._injector = injector
         self._observer = observer
@@ -199,23 +201,35 @@ class CheckedCommHook:
             )
             self._partition[key] = [i for i, _ in pairs]
         offsets = [(i, g.storage_offset() - buffer.storage_offset(), g.numel()) for i, g in pairs]
-        reducing = self._reduce_carrying(bucket, buffer)
-        if reducing is None:
-            reducing = self._inner(self._inner_state, bucket)
 
-        def after(fut: torch.futures.Future[Any]) -> torch.Tensor:
-            value = fut.value()
-            reduced: torch.Tensor = value[0] if isinstance(value, list) else value
+        def reduced_bucket(reduced: torch.Tensor) -> torch.Tensor:
             if self._inject and self._injector is not None:
                 flat = reduced.reshape(-1)
                 self._injector.on_reduced_gradient([(i, flat[o : o + n]) for i, o, n in offsets])
             self._reduced[key] = reduced  # summed by settle_reduced(), on the training thread
             return reduced
 
-        return reducing.then(after)
+        carrying = self._reduce_carrying(bucket, buffer, reduced_bucket)
+        if carrying is not None:
+            return carrying
+        if self._inner is allreduce_hook:
+            # DDP's own averaging all-reduce, one callback where the hook's and ours made two:
+            # each runs on the backend's thread and takes the GIL from the autograd thread.
+            self._world = self._world or dist.get_world_size(self._group)
+            work = dist.all_reduce(buffer.div_(self._world), group=self._group, async_op=True)
+            return work.get_future().then(lambda fut: reduced_bucket(fut.value()[0]))
+
+        def after(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            value = fut.value()
+            return reduced_bucket(value[0] if isinstance(value, list) else value)
+
+        return self._inner(self._inner_state, bucket).then(after)
 
     def _reduce_carrying(
-        self, bucket: dist.GradBucket, buffer: torch.Tensor
+        self,
+        bucket: dist.GradBucket,
+        buffer: torch.Tensor,
+        reduced_bucket: Callable[[torch.Tensor], torch.Tensor],
     ) -> torch.futures.Future[torch.Tensor] | None:
         """DDP's averaging all-reduce of ``bucket`` with the waiting row appended, or ``None``
         when no row waits or this bucket does not carry it."""
@@ -231,7 +245,7 @@ class CheckedCommHook:
         def split(fut: torch.futures.Future[Any]) -> torch.Tensor:
             fut.wait()
             row.received(joined[n:])
-            return joined[:n]
+            return reduced_bucket(joined[:n])
 
         work = dist.all_reduce(joined, group=self._group, async_op=True)
         return work.get_future().then(split)
@@ -269,6 +283,18 @@ class CheckedCommHook:
             zero = torch.zeros((), dtype=torch.float64, device=self._device)
             both = torch.stack([torch.stack(side).sum() if side else zero for side in (pre, post)])
         return nonfinite_flag(both)
+
+    def flags_on_host(self) -> tuple[int, int]:
+        """:meth:`flags` as host ints, for a CPU job's row (:mod:`detection.host_row`)."""
+        self.settle_reduced()
+        return nonfinite_sums(self._pre.values()), nonfinite_sums(self._post.values())
+
+    def gradient_fingerprint_on_host(self) -> list[int]:
+        """:meth:`gradient_fingerprint` as host ints (no op when no bucket was fingerprinted)."""
+        if not self._grad_fp:
+            return [0, 0]
+        words: list[int] = self.gradient_fingerprint().tolist()
+        return words
 
     def gradient_fingerprint(self) -> torch.Tensor:
         """Σ over buckets of the local-gradient fingerprints (wrapping int64), on the device."""

@@ -141,6 +141,14 @@ class StateFlag:
         # a state spread over several devices is summed op by op: one graph runs on one device
         return self._graphed() if self._one_device else self._compute()
 
+    def on_host(self) -> int:
+        """:meth:`__call__` as a host int, for a CPU job's row (:mod:`detection.host_row`)."""
+        if not self._valid():
+            self._rebuild()
+        if self._native is not None:
+            return int(native.nonfinite(self._native))
+        return int(self())
+
     def _compute(self) -> torch.Tensor:
         if not self._flat:
             return torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -52,6 +52,7 @@ from detection.abft import LinearChecksums
 from detection.alarm import Layer, Phase
 from detection.allreduce_check import check_reduction, unit_roundoff
 from detection.gradstats import BUCKET_FIELDS, GradStatsDetector, LocalGradStats, StatsConfig
+from detection.host_row import float_words, on_host
 from detection.optstate import OptimizerStateCheck, StateFlag
 from detection.vote import all_gather_rows
 
@@ -158,7 +159,7 @@ class CarriedVerdict:
     the words it adds to the guard's row (``None`` when it was decided before the update, and
     then ``findings`` is its verdict), and ``n_ratios``, how many ABFT ratios the row holds."""
 
-    row: torch.Tensor | None
+    row: torch.Tensor | list[int] | None
     n_ratios: int
     findings: tuple[StepCheckFinding, ...]
     # The step's bucket sizes and unit roundoff: the all-reduce check's bound needs them, and
@@ -206,7 +207,7 @@ class StepChecks:
         self._state_flags = [StateFlag(opt, self.params, self.device) for opt in self.optimizers]
         self._extra = extra
         self._decided = True
-        self._carried: tuple[torch.Tensor, int] | None = None
+        self._carried: tuple[torch.Tensor | list[float], int] | None = None
         self._pending: list[StepCheckFinding] = []
         self.skipped_steps: list[int] = []
         self.tested_steps = 0  # steps whose statistics were finite and tested
@@ -261,13 +262,19 @@ class StepChecks:
         self._decided = True
         if self.abft is not None:
             self.abft.close()
-        row, n_ratios = self._row(step, loss, scale)
+        row, n_ratios = (
+            self._row_on_host(step, loss, scale)
+            if on_host(self.device)
+            else self._row(step, loss, scale)
+        )
         if not self.skip_update:
             # Nothing acts on the verdict before the step's end: it travels in the guard's own
             # all-gather there (:meth:`hand_over`), one collective and one host
             # synchronisation per step for both.
             self._carried = (row, n_ratios)
             return
+        if isinstance(row, list):
+            row = torch.tensor(row, dtype=torch.float64)
         rows = all_gather_rows(row, self.group)
         nonfinite_before = self.nonfinite_steps
         self._pending = self._decide(rows, n_ratios, self._numel(), self._u)
@@ -305,6 +312,18 @@ class StepChecks:
         stats = torch.cat([stats[:1], stats[1:] / divisor])
         return torch.cat([head, loss_value, *ratios, stats]), n_ratios
 
+    def _row_on_host(
+        self, step: int, loss: torch.Tensor | None, scale: torch.Tensor | None
+    ) -> tuple[list[float], int]:
+        """:meth:`_row` as host floats, the same values, on a CPU (:mod:`detection.host_row`)."""
+        ratios = self.abft.ratios().tolist() if self.abft is not None else []
+        stats = self.stats.values()
+        if scale is not None:
+            divisor = float(scale)
+            stats = [stats[0], *(v / divisor for v in stats[1:])]
+        loss_value = float(loss) if loss is not None else math.nan
+        return [float(step), loss_value, *ratios, *stats], len(ratios)
+
     def hand_over(self) -> CarriedVerdict:
         """The step's part in the guard's decision, taken out of this layer so the next step
         may begin before it is decided: the row to carry in the guard's all-gather (the float64
@@ -314,9 +333,8 @@ class StepChecks:
             verdict = CarriedVerdict(None, 0, tuple(self._pending))
         else:
             row, n_ratios = self._carried
-            verdict = CarriedVerdict(
-                row.view(torch.int64), n_ratios, (), numel=self._numel(), u=self._u
-            )
+            words = float_words(row) if isinstance(row, list) else row.view(torch.int64)
+            verdict = CarriedVerdict(words, n_ratios, (), numel=self._numel(), u=self._u)
         self._carried = None
         self._pending = []
         return verdict
@@ -352,6 +370,12 @@ class StepChecks:
             return torch.zeros(1, dtype=torch.int64, device=self.device)
         flags = [flag() for flag in self._state_flags]
         return flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)
+
+    def state_flag_on_host(self) -> int:
+        """:meth:`state_flag` as a host int, for a CPU job's row (:mod:`detection.host_row`)."""
+        if not self.enabled:
+            return 0
+        return max(flag.on_host() for flag in self._state_flags)
 
     def merge(
         self,

@@ -9,6 +9,7 @@ Real rank processes in a gloo group; collectives counted with the profiler.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from detection import native, native_carry
 from detection.carry import BUCKET_CAP, CarriedRowError, RowInBucket
 from detection.gradstats import StatsConfig
 from detection.guard import GuardConfig, SDCGuard
@@ -37,7 +39,7 @@ def _row(rank: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_rank_reads_every_row_bit_for_bit_whatever_the_order_of_the_sum(
-    dtype: torch.dtype,
+    dtype: torch.dtype, kernels: str
 ) -> None:
     world, n = 5, 7
     buffers = [torch.randn(n).to(dtype) for _ in range(world)]
@@ -57,6 +59,57 @@ def test_every_rank_reads_every_row_bit_for_bit_whatever_the_order_of_the_sum(
     # The gradient part was averaged as DDP averages it: divided by the world size first.
     expected = buffers[0] / world
     assert torch.equal(joined[0][:n], expected)  # type: ignore[index]
+
+
+@pytest.mark.parametrize("world", [2, 3, 7])
+def test_the_c_join_and_read_are_the_torch_ones_bit_for_bit(world: int) -> None:
+    """A float32 CPU bucket takes native_carry's passes: the joined buffer (gradients divided
+    by a world size whose reciprocal is inexact, chunks in place) and the table read back are
+    the torch path's, bit for bit."""
+    assert native.available(), native.unavailable_reason()
+    buf = torch.randn(1001) * torch.logspace(-30, 30, 1001)
+    both = []
+    for on in (True, False):
+        native.set_enabled(on)
+        try:
+            rows = [
+                RowInBucket(_row(r), step=1, rank=r, world_size=world, group=None)
+                for r in range(world)
+            ]
+            joined = [row.join(buf, is_last=False) for row in rows]
+            total = torch.stack(joined).sum(0)  # type: ignore[arg-type]
+            rows[0].received(total[buf.numel() :])
+            both.append((joined[world - 1], rows[0].table()))
+        finally:
+            native.set_enabled(True)
+    (c_joined, c_table), (t_joined, t_table) = both
+    assert torch.equal(c_joined.view(torch.int32), t_joined.view(torch.int32))  # type: ignore[union-attr]
+    assert torch.equal(c_table, t_table)
+    assert torch.equal(c_table, torch.stack([_row(r) for r in range(world)]))
+
+
+@pytest.mark.parametrize(
+    "chunk", [0.5, -1.0, 65536.0, math.nan, math.inf], ids=["half", "neg", "2^16", "nan", "inf"]
+)
+def test_a_slab_that_did_not_arrive_as_sent_reads_the_same_on_both_paths(chunk: float) -> None:
+    """A chunk no rank sent (the slab was corrupted on the way): the C read refuses it and the
+    torch arithmetic decides the word, so which path a rank takes never changes its table."""
+    slab = torch.zeros(2 * 3 * 4)
+    slab[5] = chunk
+    assert native_carry.table_f32(slab, world=2, words=3) is None
+    tables = []
+    for on in (True, False):
+        native.set_enabled(on)
+        try:
+            row = RowInBucket(
+                torch.zeros(3, dtype=torch.int64), step=0, rank=0, world_size=2, group=None
+            )
+            row.join(torch.zeros(4), is_last=True)
+            row.received(slab)
+            tables.append(row.table())
+        finally:
+            native.set_enabled(True)
+    assert torch.equal(tables[0], tables[1])
 
 
 def test_a_bucket_that_cannot_carry_the_row_is_left_alone() -> None:

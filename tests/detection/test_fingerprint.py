@@ -385,6 +385,27 @@ def test_a_plan_equals_the_one_shot_fingerprint_and_follows_the_live_tensors() -
     assert torch.equal(fp.FingerprintPlan([])(), torch.zeros(2, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("kernel", [Kernel.EAGER, Kernel.AUTO])
+def test_a_plan_follows_a_tensor_re_viewed_over_the_same_memory(kernel: Kernel) -> None:
+    """The address alone does not say a build still reads the right words: a transposed, a
+    narrowed or a reshaped view keeps it. Each is fingerprinted as the one-shot call does."""
+    fp.set_kernel(kernel)
+    gen = torch.Generator().manual_seed(26)
+    square = random_bits((6, 6), torch.float32, gen)
+    other = random_bits((5,), torch.float32, gen)
+    tensors = [square, other]
+    plan = fp.FingerprintPlan(tensors)
+    assert torch.equal(plan(), fingerprint_on_device(tensors))
+    pointer = square.data_ptr()
+    for view in (square.data.t(), square.data.view(-1)[:20], square.data.view(4, 9)):
+        square.data = view
+        assert square.data_ptr() == pointer
+        assert torch.equal(plan(), fingerprint_on_device(tensors)), tuple(view.shape)
+    for typed in (torch.int32, torch.float16):  # re-typed views: the same size, then twice it
+        square.data = square.data.view(typed)
+        assert torch.equal(plan(), fingerprint_on_device(tensors)), typed
+
+
 def test_a_plan_first_taken_under_inference_mode_works_outside_it() -> None:
     """A plan keeps one int64 buffer between calls; built under ``torch.inference_mode()`` (a
     user's evaluation pass) it must still take the fingerprint outside it, where an inference

@@ -10,14 +10,17 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from detection import native
 from detection.faults import flip_bit_
 from detection.guard import GuardConfig, GuardHaltedError, SDCGuard
 from detection.harness import TrainConfig, run
+from detection.host_row import on_host
 from tests.detection.conftest import run_ranks
 
 STEPS = 8
@@ -84,7 +87,11 @@ class _Replica:
         ]
 
 
-def _scenarios(rank: int, world: int) -> dict[str, Any]:
+def _scenarios(rank: int, world: int, row: str = "host") -> dict[str, Any]:
+    # "host": the C kernels on, and the step's row read on the host (detection.host_row);
+    # "device": the path a GPU runs, every value kept in a tensor. The two must decide alike.
+    native.set_enabled(row == "host")
+    assert on_host(torch.device("cpu")) == (row == "host")
     torch.manual_seed(0)
     base = _model()
     clean = _Replica(base)
@@ -128,8 +135,9 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def test_faults_the_guard_used_to_hide_are_caught_and_a_clean_run_raises_nothing() -> None:
-    results = run_ranks(_scenarios, 4)
+@pytest.mark.parametrize("row", ["host", "device"])
+def test_faults_the_guard_used_to_hide_are_caught_and_a_clean_run_raises_nothing(row: str) -> None:
+    results = run_ranks(_scenarios, 4, row)
     assert all(r == results[0] for r in results[1:])  # every rank decided the same
     r = results[0]
     assert r["clean"] == []

@@ -3,7 +3,9 @@
 On a GPU the profiler counts the synchronisations (``benchmarks/cuda_syncs.py``); here
 :class:`detection.host_reads.HostReads` counts the calls that cause them, including those made
 inside backward (DDP's comm hook, where the per-step layer and the ABFT checks run). A
-synchronisation added there once cost two per bucket on CUDA and no CPU test saw it.
+synchronisation added there once cost two per bucket on CUDA and no CPU test saw it. The guard
+runs its device path here (the C kernels off, as on a GPU): with them a CPU job reads its row's
+scalars on the host by design (:mod:`detection.host_row`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from detection import native
 from detection.audit import seed_rng, step_seed
 from detection.guard import GuardConfig, SDCGuard
 from detection.host_reads import HostReads
@@ -93,6 +96,9 @@ def _plain_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> t
 
 
 def _budget(rank: int, world: int, model_name: str, config: dict[str, Any]) -> dict[str, Any]:
+    # The budget is the device path's, the one a GPU runs. With the C kernels a CPU job builds
+    # its row from host numbers instead (detection.host_row), where a read is a memory load.
+    native.set_enabled(False)
     if model_name == "builtin":
         cfg = ModelConfig()
 
