@@ -122,6 +122,7 @@ def bucket_norm(flat: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(flat, 2, dtype=_accumulation(flat.dtype)).to(torch.float64)
 
 
+@functools.cache
 def unit_roundoff(dtype: torch.dtype) -> float:
     """Half the distance from 1.0 to the next representable value (round to nearest)."""
     return float(torch.finfo(dtype).eps) / 2.0

@@ -61,6 +61,7 @@ class GraphedCall:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._out: torch.Tensor | None = None
         self._eager = not _Switch.enabled  # for good: captures failed or were switched off
+        self._host = False  # the last build answered on the host: nothing to capture
 
     @property
     def captured(self) -> bool:
@@ -71,18 +72,22 @@ class GraphedCall:
         """Forget the graph: the tensors it reads changed. The next call runs eagerly again,
         the one after captures afresh."""
         self._graph, self._out, self._calls = None, None, 0
+        self._host = False
 
     def __call__(self) -> torch.Tensor:
         graph, out = self._graph, self._out
         if graph is not None and out is not None:
             graph.replay()
             return out.clone()
+        if self._host:
+            return self._fn()
         self._calls += 1
         if self._eager or self._calls < 2:
             return self._fn()
         result = self._fn()  # this call's answer, and the capture's first warm-up
         if result.device.type != "cuda":
-            return result  # nothing to capture (a CPU plan, an empty list)
+            self._host = True  # nothing to capture (a CPU plan, an empty list) until a reset
+            return result
         try:
             self._capture(result.device)
         except Exception as err:

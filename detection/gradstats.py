@@ -147,6 +147,14 @@ def _peak(flat: torch.Tensor) -> torch.Tensor:
     return torch.maximum(-low, high)
 
 
+def _flat(bucket: torch.Tensor) -> torch.Tensor:
+    """A bucket as a 1-D tensor outside autograd: itself when it is one already (DDP's buckets
+    are), with no op on the per-step path."""
+    if bucket.dim() == 1 and not bucket.requires_grad:
+        return bucket
+    return bucket.detach().reshape(-1)
+
+
 class LocalGradStats:
     """Per-bucket statistics of one rank's step, kept on the device until the all-gather.
 
@@ -168,7 +176,7 @@ class LocalGradStats:
 
     def on_local(self, key: int, buffer: torch.Tensor) -> torch.Tensor:
         """Record the local bucket's statistics; returns its (float64) sum."""
-        flat = buffer.detach().reshape(-1)
+        flat = _flat(buffer)
         self.numel[key] = flat.numel()
         if native.stats_kind_ok(flat) and native.available():
             # the three in one pass (the same sum as chunked_sum's native one)
@@ -182,7 +190,7 @@ class LocalGradStats:
 
     def on_reduced(self, key: int, reduced: torch.Tensor) -> torch.Tensor:
         """Record the reduced bucket's sum, and return it (float64)."""
-        total = chunked_sum(reduced.detach().reshape(-1))
+        total = chunked_sum(_flat(reduced))
         self._reduced[key] = total.reshape(1)
         return total
 

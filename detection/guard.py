@@ -494,7 +494,7 @@ class SDCGuard:
             current.batches[micro] = batch
         if micro == current.loss_micro:
             current.loss = loss.detach()
-        mean = loss.detach() / self.micro_batches
+        mean = loss.detach() if self.micro_batches == 1 else loss.detach() / self.micro_batches
         current.mean_loss = mean if current.mean_loss is None else current.mean_loss + mean
         if scaler is not None and scaler.is_enabled():
             scaled = scaler.scale(loss)
