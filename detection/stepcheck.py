@@ -40,6 +40,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, TypeVar
 
 import numpy as np
@@ -110,19 +111,20 @@ class _Parsed:
 
 
 def _parse_lists(rows: list[list[float]], n_ratios: int) -> _Parsed:
-    tail = [r[2 + n_ratios :] for r in rows]
-    n_buckets = int(tail[0][0]) if tail and tail[0] else 0
+    # A row's tail is [n_buckets, (sum, l2, amax, reduced) per bucket]: each field one slice.
+    start = 2 + n_ratios
+    n_buckets = int(rows[0][start]) if rows and len(rows[0]) > start else 0
     f = BUCKET_FIELDS
-    sums = [[t[1 + f * b] for b in range(n_buckets)] for t in tail]
-    norms = [[t[2 + f * b] for b in range(n_buckets)] for t in tail]
-    peaks = [[t[3 + f * b] for b in range(n_buckets)] for t in tail]
-    reduced = [[t[4 + f * b] for b in range(n_buckets)] for t in tail]
+
+    def field(k: int) -> list[list[float]]:
+        first = start + k
+        return [r[first : first + f * n_buckets : f] for r in rows]
+
+    sums, norms, peaks, reduced = field(1), field(2), field(3), field(4)
     losses = [r[1] for r in rows]
-    finite = all(map(math.isfinite, losses)) and all(
-        math.isfinite(v) for part in (sums, peaks, reduced) for per in part for v in per
-    )
     values = [[loss, *n, *p] for loss, n, p in zip(losses, norms, peaks, strict=True)]
-    ratios = [r[2 : 2 + n_ratios] for r in rows]
+    finite = all(map(math.isfinite, chain(losses, *sums, *peaks, *reduced)))
+    ratios = [r[2:start] for r in rows]
     return _Parsed(finite, n_buckets, ratios, sums, norms, reduced, values)
 
 

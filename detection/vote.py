@@ -53,8 +53,13 @@ class VoteVerdict:
         return self.unanimous
 
 
+_UNANIMOUS = VoteVerdict(unanimous=True, culprit_known=True, divergent=())
+
+
 def majority_vote(values: Sequence[Hashable]) -> VoteVerdict:
     """Vote over one value per rank (a fingerprint, or a tuple of them)."""
+    if not values or values.count(values[0]) == len(values):
+        return _UNANIMOUS  # every step but a faulty one: no counting
     counts = Counter(values)
     if len(counts) <= 1:
         return VoteVerdict(unanimous=True, culprit_known=True, divergent=())

@@ -300,7 +300,7 @@ def test_the_array_tests_see_a_table_changed_in_place() -> None:
     assert [f.rank for f in detector.test_table(names, raw)] == [2]
 
 
-@pytest.mark.parametrize("poison", [None, 1, 2, 3, 4])
+@pytest.mark.parametrize("poison", [None, 1, 2, 3, 4, 5])
 def test_a_steps_rows_read_as_lists_and_as_an_array_are_the_same(poison: int | None) -> None:
     """Small tables are read as lists, large ones as an array: the same rows give the same
     sums, norms, reduced sums, ratios, test values and finiteness either way (a NaN in the
@@ -313,8 +313,8 @@ def test_a_steps_rows_read_as_lists_and_as_an_array_are_the_same(poison: int | N
         + [rng.gauss(0, 1) for _ in range(BUCKET_FIELDS * n_buckets)]
         for _ in range(world)
     ]
-    if poison is not None:  # 1: loss, 2: a bucket's sum, 3: its L2, 4: its reduced sum
-        at = {1: 1, 2: 3 + n_ratios, 3: 4 + n_ratios, 4: 6 + n_ratios}[poison]
+    if poison is not None:  # 1: loss, 2: a bucket's sum, 3: its L2, 4: its reduced sum, 5: peak
+        at = {1: 1, 2: 3 + n_ratios, 3: 4 + n_ratios, 4: 6 + n_ratios, 5: 9 + n_ratios}[poison]
         rows[1][at] = math.nan
     lists = _parse_lists(rows, n_ratios)
     array = _parse_array(np.asarray(rows), n_ratios)
