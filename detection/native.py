@@ -10,7 +10,8 @@ where the data come from memory, the gain is smaller: ``benchmarks/overhead.py``
 ``torch ops, native kernels off``). The ABFT checksums' passes (:mod:`detection.abft_layers`)
 are here for the same reason: a Linear's forward check reads ``x`` and ``y`` once instead of
 three passes, its gradient check ``dy`` once instead of two, a normalisation's four channel
-sums are one pass instead of eight ops (row ``ABFT, native kernels off``).
+sums are one pass instead of eight ops (row ``ABFT, native kernels off``). So is a deferred
+decision row's trip through the gradient all-reduce (:mod:`detection.native_carry`).
 
 How it is built: on first use, by the C compiler the Python build names (``CC`` overrides it),
 with ``-O3 -march=native``, into ``$SDCGUARD_CACHE_DIR`` (default ``~/.cache/sdcguard``; the
