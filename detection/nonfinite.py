@@ -213,10 +213,12 @@ class CheckedCommHook:
         if carrying is not None:
             return carrying
         if self._inner is allreduce_hook:
-            # DDP's own averaging all-reduce, one callback where the hook's and ours made two:
-            # each runs on the backend's thread and takes the GIL from the autograd thread.
-            self._world = self._world or dist.get_world_size(self._group)
-            work = dist.all_reduce(buffer.div_(self._world), group=self._group, async_op=True)
+            # DDP's own averaging hook, as it does it (its state is the group), with one
+            # callback where its and ours made two: each runs on the backend's thread and takes
+            # the GIL from the autograd thread.
+            group = self._inner_state
+            self._world = self._world or dist.get_world_size(group)
+            work = dist.all_reduce(buffer.div_(self._world), group=group, async_op=True)
             return work.get_future().then(lambda fut: reduced_bucket(fut.value()[0]))
 
         def after(fut: torch.futures.Future[Any]) -> torch.Tensor:
