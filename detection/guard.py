@@ -615,10 +615,7 @@ class SDCGuard:
         # The per-step layer's row rides along (its float64 bits as int64 words), unless it
         # had to decide before the update: one collective, one host synchronisation per step.
         verdict = self.checks.hand_over()
-        if on_host(self.device):
-            row = self._row_on_host(current, verdict, state_fp, poison_possible=poison_possible)
-        else:
-            row = self._row_on_device(current, verdict, state_fp, poison_possible=poison_possible)
+        row = self._row(current, verdict, state_fp, poison_possible=poison_possible)
         if not self._defers(current):
             self._settle(_Undecided(current, GatherInFlight.start(row, self.group), verdict))
         elif self.hook.can_carry and RowInBucket.fits(row.numel(), self.world_size):
@@ -631,7 +628,7 @@ class SDCGuard:
         else:
             self._undecided = _Undecided(current, GatherInFlight.start(row, self.group), verdict)
 
-    def _row_on_device(
+    def _row(
         self,
         current: _Step,
         verdict: CarriedVerdict,
@@ -639,10 +636,27 @@ class SDCGuard:
         *,
         poison_possible: bool,
     ) -> torch.Tensor:
-        """The step's row assembled on the device, with no host synchronisation (a GPU)."""
-        if current.loss is None:
+        """The step's row. On a GPU it is assembled on the device, with no host synchronisation;
+        on a CPU the same words are read on the host and made a tensor once
+        (:mod:`detection.host_row`)."""
+        loss, extra = current.loss, verdict.row
+        if loss is None:
             raise GuardUsageError("the step's loss never went through guard.backward()")
-        extra = verdict.row
+        if on_host(self.device):
+            weights_nonfinite = int(any_nonfinite(self.params)) if poison_possible else 0
+            return step_row_on_host(
+                current.step,
+                flags=self.hook.flags_on_host(),
+                weights=self._weights_fingerprint().tolist(),
+                state=state_fp.tolist(),
+                own=[loss_word(loss), *self.hook.gradient_fingerprint_on_host()],
+                replay=current.replay.tolist() if current.replay is not None else [0, 0, 0],
+                nf=STATE_NONFINITE * self.checks.state_flag_on_host()
+                + WEIGHTS_NONFINITE * weights_nonfinite
+                + STEPPED * bool(current.stepped),
+                buffers=self.buffers.row_on_host(),
+                extra=extra.tolist() if isinstance(extra, torch.Tensor) else extra or (),
+            )
         if isinstance(extra, list):
             extra = torch.tensor(extra, dtype=torch.int64, device=self.device)
         return step_row(
@@ -650,7 +664,7 @@ class SDCGuard:
             flags=self.hook.flags(),
             weights=self._weights_fingerprint(),
             state=state_fp,
-            own=[encode_loss(current.loss), self.hook.gradient_fingerprint()],
+            own=[encode_loss(loss), self.hook.gradient_fingerprint()],
             replay=current.replay if current.replay is not None else self._zeros[:3],
             nf=flags_word(
                 stepped=bool(current.stepped),
@@ -659,36 +673,6 @@ class SDCGuard:
             ),
             buffers=self.buffers.row(),
             extra=extra,
-        )
-
-    def _row_on_host(
-        self,
-        current: _Step,
-        verdict: CarriedVerdict,
-        state_fp: torch.Tensor,
-        *,
-        poison_possible: bool,
-    ) -> torch.Tensor:
-        """The same words read on the host, on a CPU (:mod:`detection.host_row`)."""
-        if current.loss is None:
-            raise GuardUsageError("the step's loss never went through guard.backward()")
-        weights_nonfinite = int(any_nonfinite(self.params)) if poison_possible else 0
-        nf = (
-            STATE_NONFINITE * self.checks.state_flag_on_host()
-            + WEIGHTS_NONFINITE * weights_nonfinite
-            + STEPPED * bool(current.stepped)
-        )
-        extra = verdict.row
-        return step_row_on_host(
-            current.step,
-            flags=self.hook.flags_on_host(),
-            weights=self._weights_fingerprint().tolist(),
-            state=state_fp.tolist(),
-            own=[loss_word(current.loss), *self.hook.gradient_fingerprint_on_host()],
-            replay=current.replay.tolist() if current.replay is not None else [0, 0, 0],
-            nf=nf,
-            buffers=self.buffers.row_on_host(),
-            extra=extra.tolist() if isinstance(extra, torch.Tensor) else extra or (),
         )
 
     def _defers(self, current: _Step) -> bool:
