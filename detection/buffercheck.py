@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from detection.fingerprint_plan import FingerprintPlan
-from detection.host_row import wrap64
+from detection.host_row import on_host, wrap64
 from detection.vote import majority_vote, persistent_buffers, to_fingerprint
 
 __all__ = ["BUFFER_ROW", "BufferWatch", "buffer_finding"]
@@ -44,6 +44,14 @@ __all__ = ["BUFFER_ROW", "BufferWatch", "buffer_finding"]
 # and (end of the previous step) - (after the broadcast). A difference is non-zero exactly when
 # the buffers changed: plain subtractions, the cheapest device ops there are.
 BUFFER_ROW = 8
+
+# A fingerprint as the step took it: two host ints on a CPU job's host path, a device tensor
+# of 2 otherwise (a job keeps to one path; either is read as the other where it is not).
+_Print = torch.Tensor | list[int]
+
+
+def _words(fp: _Print) -> list[int]:
+    return fp if isinstance(fp, list) else fp.tolist()
 
 
 class BufferWatch:
@@ -64,9 +72,9 @@ class BufferWatch:
         self._broadcast = broadcast
         self._source = not broadcast or rank == 0
         self._device = device
-        self._at_broadcast: torch.Tensor | None = None
-        self._after_forward: torch.Tensor | None = None
-        self._previous_end: torch.Tensor | None = None
+        self._at_broadcast: _Print | None = None
+        self._after_forward: _Print | None = None
+        self._previous_end: _Print | None = None
         self._zeros = torch.zeros(2, dtype=torch.int64, device=device)
 
     @property
@@ -74,8 +82,15 @@ class BufferWatch:
         """Whether DDP overwrites the replicas' buffers with rank 0's at every forward."""
         return self._broadcast
 
-    def _fingerprint(self) -> torch.Tensor:
+    def _fingerprint(self) -> _Print:
+        if on_host(self._device):
+            return self._plan.words()
         return self._plan().to(self._device)
+
+    def _tensor(self, fp: _Print) -> torch.Tensor:
+        if isinstance(fp, torch.Tensor):
+            return fp
+        return torch.tensor(fp, dtype=torch.int64, device=self._device)
 
     def begin_step(self) -> None:
         self._at_broadcast = None
@@ -108,21 +123,19 @@ class BufferWatch:
         if not self.buffers:
             return [0] * BUFFER_ROW
         end = self._fingerprint()
-        ends = end.tolist()
+        ends = _words(end)
         after = [0, 0]
         if self._after_forward is not None:
-            after = [wrap64(a - b) for a, b in zip(self._after_forward.tolist(), ends, strict=True)]
+            after = [wrap64(a - b) for a, b in zip(_words(self._after_forward), ends, strict=True)]
         between = [0, 0]
         if self._source and self._previous_end is not None and self._at_broadcast is not None:
             between = [
                 wrap64(a - b)
-                for a, b in zip(
-                    self._previous_end.tolist(), self._at_broadcast.tolist(), strict=True
-                )
+                for a, b in zip(_words(self._previous_end), _words(self._at_broadcast), strict=True)
             ]
         self._previous_end = end
         received = (
-            self._at_broadcast.tolist()
+            _words(self._at_broadcast)
             if self._broadcast and self._at_broadcast is not None
             else [0, 0]
         )
@@ -132,14 +145,20 @@ class BufferWatch:
         """This rank's ``BUFFER_ROW`` int64 values for the step's all-gather (on the device)."""
         if not self.buffers:
             return torch.zeros(BUFFER_ROW, dtype=torch.int64, device=self._device)
-        end = self._fingerprint()
+        end = self._tensor(self._fingerprint())
         zero2 = self._zeros
-        after = self._after_forward - end if self._after_forward is not None else zero2
+        after = (
+            self._tensor(self._after_forward) - end if self._after_forward is not None else zero2
+        )
         between = zero2
         if self._source and self._previous_end is not None and self._at_broadcast is not None:
-            between = self._previous_end - self._at_broadcast
+            between = self._tensor(self._previous_end) - self._tensor(self._at_broadcast)
         self._previous_end = end
-        received = self._at_broadcast if self._broadcast else None
+        received = (
+            self._tensor(self._at_broadcast)
+            if self._broadcast and self._at_broadcast is not None
+            else None
+        )
         return torch.cat([received if received is not None else zero2, end, after, between])
 
 

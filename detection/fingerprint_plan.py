@@ -307,6 +307,17 @@ class FingerprintPlan:
             self._build(key)
         return self._graphed()
 
+    def words(self) -> list[int]:
+        """:meth:`__call__` as two host ints, for a CPU job's row (:mod:`detection.host_row`):
+        a plan on the C kernel answers straight from its call, any other reads its tensor."""
+        key = self._signature()
+        if key != self._key:
+            self._build(key)
+        if self._native is not None:
+            return native.fingerprint_words(self._native)
+        words: list[int] = self._graphed().tolist()
+        return words
+
     def _compute(self) -> torch.Tensor:
         """One call's device work, for the tensors of the current build."""
         if self._device is None:

@@ -297,6 +297,81 @@ class _ScalarTests:
                     )
         return worst_per_rank(cross, temporal, self.world_size)
 
+    def test_rows(
+        self, names: Sequence[str], rows: Sequence[Sequence[float]], *, learn: bool
+    ) -> list[StatFinding]:
+        """:meth:`test` and then, when ``learn`` and nothing was found, :meth:`learn`, of the
+        table ``rows[r][j]`` (statistic ``names[j]`` on rank ``r``): the same findings and
+        histories, with each value's log taken once and no mapping built per rank — the
+        guard's per-step path, where the two calls and their mappings cost more than the
+        tests."""
+        log, isfinite, tiny = math.log, math.isfinite, _TINY
+        logs = [
+            [(j, log(max(abs(v), tiny))) for j, v in enumerate(row) if isfinite(v)] for row in rows
+        ]
+        found = self._test_logs(names, logs) if self.calibrated else []
+        if learn and not found:
+            self._learn_logs(names, logs)
+        return found
+
+    def _test_logs(
+        self, names: Sequence[str], logs: Sequence[Sequence[tuple[int, float]]]
+    ) -> list[StatFinding]:
+        cfg = self.config
+        floor = math.log(cfg.floor_factor)
+        cross: list[StatFinding] = []
+        if self.world_size >= 3:
+            for name, xs in sorted((names[j], xs) for j, xs in _by_column(logs).items()):
+                if len(xs) < 3:
+                    continue
+                median = statistics.median(v for _, v in xs)
+                spread = self._spread.get(name)
+                scale = spread.mean if spread is not None else 0.0
+                threshold = max(cfg.k * scale, floor)
+                for r, v in xs:
+                    if v - median > threshold:
+                        cross.append(
+                            stat_finding(r, name, "cross-rank", v, median, threshold, scale)
+                        )
+        temporal: list[StatFinding] = []
+        get, warmup, k = self._temporal.get, cfg.warmup, cfg.k
+        for r, x in enumerate(logs):
+            for j, v in x:
+                history = get((r, names[j]))
+                if history is None or history.n < warmup:
+                    continue
+                threshold = max(k * history.dev, floor)
+                if v - history.mean > threshold:
+                    temporal.append(
+                        stat_finding(
+                            r, names[j], "temporal", v, history.mean, threshold, history.dev
+                        )
+                    )
+        if not cross and not temporal:
+            return []
+        return worst_per_rank(cross, temporal, self.world_size)
+
+    def _learn_logs(
+        self, names: Sequence[str], logs: Sequence[Sequence[tuple[int, float]]]
+    ) -> None:
+        cfg = self.config
+        alpha, warmup, temporal = cfg.alpha, cfg.warmup, self._temporal
+        for r, x in enumerate(logs):
+            for j, v in x:
+                history = temporal.get((r, names[j]))
+                if history is None:
+                    history = temporal[(r, names[j])] = _History()
+                history.update(v, alpha, warmup)
+        if self.world_size >= 3:
+            for j, ranked in _by_column(logs).items():
+                if len(ranked) < 3:
+                    continue
+                xs = [v for _, v in ranked]
+                median = statistics.median(xs)
+                mad = _MAD_TO_SIGMA * statistics.median(abs(v - median) for v in xs)
+                self._spread.setdefault(names[j], _History()).update(mad, alpha, warmup)
+        self.steps_learnt += 1
+
     def learn(self, values: Sequence[dict[str, float]]) -> None:
         """Fold a clean step into the histories."""
         cfg = self.config
@@ -313,6 +388,17 @@ class _ScalarTests:
                 mad = _MAD_TO_SIGMA * statistics.median(abs(v - median) for v in xs)
                 self._spread.setdefault(name, _History()).update(mad, cfg.alpha, cfg.warmup)
         self.steps_learnt += 1
+
+
+def _by_column(
+    logs: Sequence[Sequence[tuple[int, float]]],
+) -> dict[int, list[tuple[int, float]]]:
+    """Each column's finite logs as ``(rank, log)`` in rank order."""
+    columns: dict[int, list[tuple[int, float]]] = {}
+    for r, x in enumerate(logs):
+        for j, v in x:
+            columns.setdefault(j, []).append((r, v))
+    return columns
 
 
 def worst_per_rank(
@@ -430,6 +516,20 @@ class GradStatsDetector:
         if isinstance(tests, _ScalarTests):
             return tests.test(_mappings(names, raw))
         return tests.test_table(names, np.asarray(raw, dtype=np.float64))
+
+    def test_learn_table(
+        self, names: Sequence[str], raw: _Table, *, learn: bool
+    ) -> list[StatFinding]:
+        """:meth:`test_table` and then, when ``learn`` and nothing was found,
+        :meth:`learn_table`: a guard's step, in one pass over a small table."""
+        tests = self._for(lambda: len(names))
+        if isinstance(tests, _ScalarTests):
+            rows = raw.tolist() if isinstance(raw, np.ndarray) else raw
+            return tests.test_rows(names, rows, learn=learn)
+        found = self.test_table(names, raw)
+        if learn and not found:
+            self.learn_table(names, raw)
+        return found
 
     def learn_table(self, names: Sequence[str], raw: _Table) -> None:
         """:meth:`learn` of ``raw[r][j]``, the value of statistic ``names[j]`` on rank ``r``."""

@@ -109,7 +109,7 @@ from detection.host_row import loss_word, on_host
 from detection.nonfinite import CheckedCommHook, CommHook
 from detection.replay import AutocastState, unwrap_ddp
 from detection.replay_mode import ReplayMode
-from detection.stepcheck import CarriedVerdict, StepChecks
+from detection.stepcheck import LOOP_MAX, CarriedVerdict, StepChecks
 from detection.vote import (
     GatherInFlight,
     optimizer_state_tensors,
@@ -415,11 +415,11 @@ class SDCGuard:
                 "guard.step() blocks do not nest: leave one step's block before the next begins"
             )
         audit = self.audit_every > 0 and step % self.audit_every == 0
-        current = _Step(step=step, audit=audit)
+        current = _Step(step=step, audit=audit, seed=step_seed(self.config.seed, step, self.rank))
         if audit and self.config.mode is AuditMode.LOSS:
             current.loss_micro = (step // self.audit_every) % self.micro_batches
         self._current = current
-        seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
+        seed_rng(current.seed, self.device)
         if self.injector is not None:
             self.injector.begin_step(step)
         gradient_audit = current.audit and self.config.mode is AuditMode.GRADIENT
@@ -548,7 +548,11 @@ class SDCGuard:
         if micro in current.forwards:
             return
         current.forwards.add(micro)
-        seed_rng(step_seed(self.config.seed, current.step, self.rank, micro), self.device)
+        # micro-batch 0's seed is the step's (step_seed), taken once at the step's start
+        seed = (
+            step_seed(self.config.seed, current.step, self.rank, micro) if micro else current.seed
+        )
+        seed_rng(seed, self.device)
         current.autocast[micro] = AutocastState.capture()
         first = current.loss_micro if self.config.mode is AuditMode.LOSS else 0
         if current.audit and micro == first:
@@ -647,7 +651,7 @@ class SDCGuard:
             return step_row_on_host(
                 current.step,
                 flags=self.hook.flags_on_host(),
-                weights=self._weights_fingerprint().tolist(),
+                weights=self._weights_fingerprint.words(),
                 state=state_fp.tolist(),
                 own=[loss_word(loss), *self.hook.gradient_fingerprint_on_host()],
                 replay=current.replay.tolist() if current.replay is not None else [0, 0, 0],
@@ -695,8 +699,14 @@ class SDCGuard:
     def _settle(self, undecided: _Undecided) -> None:
         current = undecided.current
         table = undecided.exchange.table()
-        rows: list[list[int]] = table[:, :ROW].tolist()
-        self.checks.decide_carried(undecided.verdict, table[:, ROW:])
+        rows: list[list[int]]
+        if table.numel() <= LOOP_MAX:  # a small table: read once, split as lists
+            everything: list[list[int]] = table.tolist()
+            rows = [r[:ROW] for r in everything]
+            self.checks.decide_carried(undecided.verdict, [r[ROW:] for r in everything])
+        else:
+            rows = table[:, :ROW].tolist()
+            self.checks.decide_carried(undecided.verdict, table[:, ROW:])
         if current.self_replays is not None:
             check_calibration(
                 current.step,

@@ -38,6 +38,9 @@ class StepState:
 
     step: int
     audit: bool
+    seed: int = (
+        0  # the seed of micro-batch 0 (``step_seed``): taken at the step's start and forward
+    )
     loss_micro: int = 0  # the micro-batch whose loss the row carries (the audited one)
     micro: int = 0  # backward calls so far
     loss: torch.Tensor | None = None

@@ -26,7 +26,7 @@ import torch
 
 from detection import native
 
-__all__ = ["float_words", "loss_word", "nonfinite_sums", "on_host", "wrap64"]
+__all__ = ["float_words", "loss_word", "nonfinite_sums", "on_host", "word_floats", "wrap64"]
 
 _INT64 = 1 << 64
 _HALF = 1 << 63
@@ -46,6 +46,13 @@ def float_words(values: Sequence[float]) -> list[int]:
     """Float64 values as the int64 words of their bit patterns (``tensor.view(torch.int64)``)."""
     n = len(values)
     return list(struct.unpack(f"<{n}q", struct.pack(f"<{n}d", *values)))
+
+
+def word_floats(words: Sequence[int]) -> list[float]:
+    """Int64 words as the float64 values whose bit patterns they are (:func:`float_words`
+    undone; ``tensor.view(torch.float64)`` on the host)."""
+    n = len(words)
+    return list(struct.unpack(f"<{n}d", struct.pack(f"<{n}q", *words)))
 
 
 def loss_word(loss: torch.Tensor) -> int:

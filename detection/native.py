@@ -61,6 +61,7 @@ __all__ = [
     "available",
     "col_sums",
     "fingerprint",
+    "fingerprint_words",
     "is_enabled",
     "linear_forward",
     "nonfinite",
@@ -306,6 +307,18 @@ def nonfinite(pointers: PointerList) -> bool:
     if got < 0:
         raise ValueError("a tensor of a kind the non-finite kernel has no code for")
     return bool(got)
+
+
+def fingerprint_words(pointers: PointerList) -> list[int]:
+    """:func:`fingerprint` as two host ints, for a CPU job's row: the C call writes into a
+    small array of its own, with no tensor made and none read back."""
+    out = (ctypes.c_int64 * 2)()
+    got = _lib().sdc_fingerprint(
+        pointers.count, pointers.ptrs, pointers.numels, pointers.codes, pointers.offsets, out
+    )
+    if got < 0:
+        raise ValueError("a tensor whose element size the fingerprint kernel has no code for")
+    return list(out)
 
 
 def fingerprint(pointers: PointerList) -> torch.Tensor:

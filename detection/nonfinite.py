@@ -103,6 +103,20 @@ def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     return torch.isnan(x - x).to(torch.int64)
 
 
+def _waits_here(bucket: dist.GradBucket, buffer: torch.Tensor) -> bool:
+    """Whether the hook waits for this bucket's all-reduce itself: the last bucket of a CPU
+    job. DDP waits for it as soon as the hook returns, so nothing overlaps it; a callback would
+    run on the backend's thread and take the GIL there, which costs a small model's step more
+    than the wait (see ``docs/detection.md``)."""
+    return bucket.is_last() and buffer.device.type == "cpu"
+
+
+def _completed(value: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(value)
+    return done
+
+
 def _wide(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.to(torch.float64)
 
@@ -219,6 +233,9 @@ class CheckedCommHook:
             group = self._inner_state
             self._world = self._world or dist.get_world_size(group)
             work = dist.all_reduce(buffer.div_(self._world), group=group, async_op=True)
+            if _waits_here(bucket, buffer):
+                work.wait()
+                return _completed(reduced_bucket(buffer))
             return work.get_future().then(lambda fut: reduced_bucket(fut.value()[0]))
 
         def after(fut: torch.futures.Future[Any]) -> torch.Tensor:
@@ -250,6 +267,10 @@ class CheckedCommHook:
             return reduced_bucket(joined[:n])
 
         work = dist.all_reduce(joined, group=self._group, async_op=True)
+        if _waits_here(bucket, joined):
+            work.wait()
+            row.received(joined[n:])
+            return _completed(reduced_bucket(joined[:n]))
         return work.get_future().then(split)
 
     def settle_reduced(self) -> None:

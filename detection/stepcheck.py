@@ -53,7 +53,7 @@ from detection.abft import LinearChecksums
 from detection.alarm import Layer, Phase
 from detection.allreduce_check import check_reduction, unit_roundoff
 from detection.gradstats import BUCKET_FIELDS, GradStatsDetector, LocalGradStats, StatsConfig
-from detection.host_row import float_words, on_host
+from detection.host_row import float_words, on_host, word_floats
 from detection.optstate import OptimizerStateCheck, StateFlag
 from detection.vote import all_gather_rows
 
@@ -92,7 +92,7 @@ def _finite_values(losses: npt.NDArray[np.float64], fields: npt.NDArray[np.float
 #: A step's table of at most this many values is read as lists, larger ones as an array:
 #: numpy's calls cost more than a loop over a few dozen values, a loop over hundreds of buckets
 #: on many ranks more than the step.
-_LOOP_MAX = 256
+LOOP_MAX = 256
 
 
 @dataclass(frozen=True)
@@ -341,17 +341,23 @@ class StepChecks:
         self._pending = []
         return verdict
 
-    def decide_carried(self, verdict: CarriedVerdict, words: torch.Tensor) -> None:
+    def decide_carried(
+        self, verdict: CarriedVerdict, words: torch.Tensor | Sequence[Sequence[int]]
+    ) -> None:
         """Make ``verdict`` the findings :meth:`merge` places next. A carried row is decided
         from every rank's words (``words``: the host ``(world, n)`` int64 table of the gathered
-        rows past the guard's own): the same on every rank, as every rank holds the table.
+        rows past the guard's own, or a small one's rows as ints): the same on every rank, as
+        every rank holds the table.
         Verdicts are decided in step order, so the temporal history learns as it would at
         once."""
         if verdict.row is None:
             self._pending = list(verdict.findings)
             return
-        table = words.contiguous().view(torch.float64)
-        rows = table.tolist() if table.numel() <= _LOOP_MAX else table.numpy()
+        if not isinstance(words, torch.Tensor):
+            rows: list[list[float]] | npt.NDArray[np.float64] = [word_floats(w) for w in words]
+        else:
+            table = words.contiguous().view(torch.float64)
+            rows = table.tolist() if table.numel() <= LOOP_MAX else table.numpy()
         self._pending = self._decide(rows, verdict.n_ratios, verdict.numel, verdict.u)
 
     def _numel(self) -> tuple[int, ...]:
@@ -436,8 +442,8 @@ class StepChecks:
         bucket sizes and unit roundoff."""
         if isinstance(rows, np.ndarray):
             step = _parse_array(rows, n_ratios)
-        elif sum(map(len, rows)) <= _LOOP_MAX:
-            step = _parse_lists([list(r) for r in rows], n_ratios)
+        elif sum(map(len, rows)) <= LOOP_MAX:
+            step = _parse_lists([r if isinstance(r, list) else list(r) for r in rows], n_ratios)
         else:
             step = _parse_array(np.asarray(rows, dtype=np.float64), n_ratios)
         found: list[StepCheckFinding] = []
@@ -465,7 +471,8 @@ class StepChecks:
                 found.append(abft)
         self.detector.reset_if_layout_changed(n_buckets)
         names = _statistic_names(n_buckets)
-        stats = self.detector.test_table(names, step.values)
+        clean = not found  # the histories learn a step no layer found anything in
+        stats = self.detector.test_learn_table(names, step.values, learn=clean)
         if stats:
             lead = max(stats, key=lambda f: f.deviation / f.threshold)
             phase = Phase.LOSS if lead.statistic == "loss" else Phase.PRE_ALLREDUCE
@@ -488,10 +495,8 @@ class StepChecks:
                     },
                 )
             )
-        if not found:
-            self.detector.learn_table(names, step.values)
-            if self.abft is not None and self._abft_tau is None:
-                self._learn_abft(ratios)
+        if not found and self.abft is not None and self._abft_tau is None:
+            self._learn_abft(ratios)
         return found
 
     def _learn_abft(self, ratios: Sequence[Sequence[float]]) -> None:

@@ -81,6 +81,39 @@ def test_real_float32_reductions_stay_inside_the_bound() -> None:
         assert worst <= reduction_bound(world, n, [x[0] for x in norms], U32)
 
 
+def test_the_bound_is_the_docstrings_formula_to_the_last_bit() -> None:
+    """The bound's size-dependent factor is kept per bucket size: the bound is still the
+    formula of the module docstring, evaluated in its order, bit for bit, and ``inf`` where a
+    bucket is too large for any (also when its norms are all zero)."""
+
+    def gamma(k: float, u: float) -> float:
+        return k * u / (1.0 - k * u)
+
+    def formula(world: int, n: int, norms: list[float], u: float) -> float:
+        v, acc = 2.0**-53, min(u, 2.0**-24)
+        if n * acc >= 0.5:
+            return math.inf
+        coefficient = (
+            u
+            + gamma(world - 1, u) * (1.0 + u)
+            + (gamma(CHUNK - 1, acc) + gamma(n // CHUNK + 1, v)) * (2.0 + world * u)
+            + gamma(world, v)
+            + v * (1.0 + world * u)
+        )
+        inflation = 1.0 / ((1.0 - acc) * math.sqrt(1.0 - gamma(n, acc)))
+        return coefficient * inflation * math.sqrt(n) * math.fsum(norms) * (1.0 + 1e-6)
+
+    rng = random.Random(11)
+    u64 = unit_roundoff(torch.float64)
+    for _ in range(300):
+        world = rng.choice([2, 3, 5, 8, 64])
+        n = rng.choice([1, 17, 4096, 1 << 20, 1 << 23, 1 << 25])
+        u = rng.choice([U32, u64])
+        norms = [10.0 ** rng.uniform(-20, 20) for _ in range(world)]
+        assert reduction_bound(world, n, norms, u) == formula(world, n, norms, u)
+    assert reduction_bound(2, 1 << 25, [0.0, 0.0], U32) == math.inf
+
+
 def test_a_flip_in_one_ranks_reduced_bucket_names_that_rank() -> None:
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(4096, generator=gen) * 1e-3 for _ in range(4)]
@@ -260,6 +293,8 @@ def test_the_array_tests_agree_with_the_loop_value_for_value(world: int) -> None
         config = StatsConfig(warmup=warmup, k=k, floor_factor=floor)
         loop = GradStatsDetector(world, config, array_min=1 << 30)
         arrays = GradStatsDetector(world, config, array_min=0)
+        # the guard's one pass: test, and learn a step nothing else found anything in
+        rows = GradStatsDetector(world, config, array_min=1 << 30)
         buckets = rng.choice([1, 3])
         for _ in range(80):
             values = [
@@ -278,11 +313,18 @@ def test_the_array_tests_agree_with_the_loop_value_for_value(world: int) -> None
                     per["loss"] *= 100.0
             expected = loop.test(values)
             assert arrays.test(values) == expected
+            names = list(values[0])
+            table = [[per[name] for name in names] for per in values]
+            other_layer_found = rng.random() < 0.1  # e.g. the reduction check: nothing learnt
+            assert rows.test_learn_table(names, table, learn=not other_layer_found) == expected
             findings += len(expected)
-            if not expected:
+            if not expected and not other_layer_found:
                 loop.learn(values)
                 arrays.learn(values)
             assert arrays.history() == loop.history()
+            assert rows.history() == loop.history()
+            assert rows.steps_learnt == loop.steps_learnt
+            assert getattr(rows._tests, "_spread", None) == getattr(loop._tests, "_spread", None)
     assert findings > 0  # the comparison covered findings, not only clean steps
 
 
