@@ -23,6 +23,9 @@ typedef double v8d __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint64_t v8q __attribute__((vector_size(64)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef double v4d __attribute__((vector_size(32)));
+typedef uint64_t v4q __attribute__((vector_size(32)));
 
 static inline v16f load16f(const float *p) {
     v16f v;
@@ -84,6 +87,7 @@ static inline void square_and_peak(v16f v, v16f *sq, v16u *peak) {
  *     in the lane order) added one by one in float64, then the tail after the last whole chunk
  *     as one float32 sum in index order;
  *   chunk == 0: every element added in float64, in the lane order. */
+#if defined(__AVX512F__)
 void sdc_stats_f32(const float *x, int64_t n, int64_t chunk, int32_t what, double *out) {
     v16f sq = {0};
     v16u peak = {0};
@@ -131,14 +135,143 @@ void sdc_stats_f32(const float *x, int64_t n, int64_t chunk, int32_t what, doubl
         out[2] = (double)mf;
     }
 }
+#else
+/* The same function on a CPU without 64-byte vectors (AVX2, NEON): a 16-lane vector is a type
+ * GCC keeps in memory there, every operation a round trip through the stack (a bucket's sum ran
+ * eight times slower than torch's). Here the 16 float lanes are two 8-lane halves (lanes 0-7
+ * and 8-15) and the 16 float64 lanes four quarters, each lane fed the same elements in the same
+ * order and the lanes combined by the same tree: the same bits as above, on every CPU. */
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* Lanes 0-7 and 8-15 of the 16 elements at p, of which the first n (zeros above). */
+static inline void load_halves(const float *p, int64_t n, v8f *lo, v8f *hi) {
+    float t[LANES] = {0};
+    const float *from = p;
+    if (n < LANES) {
+        memcpy(t, p, (size_t)n * sizeof(float));
+        from = t;
+    }
+    memcpy(lo, from, sizeof *lo);
+    memcpy(hi, from + 8, sizeof *hi);
+}
+
+/* tree16f of the 16 lanes held as two halves: (j, j + 8) is lo + hi. */
+static inline float tree_halves(v8f lo, v8f hi) {
+    v8f s = lo + hi;
+    float t[8];
+    memcpy(t, &s, sizeof t);
+    for (int w = 4; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) t[j] = t[j] + t[j + w];
+    return t[0];
+}
+
+/* Each lane of an 8-lane half added, in float64, to its two quarters' accumulators. */
+static inline void widen_into(v8f v, v4d *a, v4d *b) {
+    v4f x, y;
+    memcpy(&x, &v, sizeof x);
+    memcpy(&y, (const char *)&v + sizeof x, sizeof y);
+    *a += __builtin_convertvector(x, v4d);
+    *b += __builtin_convertvector(y, v4d);
+}
+
+/* tree16d of the 16 float64 lanes held as quarters (lanes 0-3, 4-7, 8-11, 12-15). */
+static inline double tree_quarters(v4d q0, v4d q1, v4d q2, v4d q3) {
+    v4d s = (q0 + q2) + (q1 + q3); /* (j, j + 8), then (j, j + 4) */
+    double t[4];
+    memcpy(t, &s, sizeof t);
+    t[0] = t[0] + t[2];
+    t[1] = t[1] + t[3];
+    return t[0] + t[1];
+}
+
+static inline void peak_into(v8f v, v8i *peak) {
+    const v8i abs_bits = (v8i){0} + 0x7fffffff; /* non-negative: a signed max orders them */
+    v8i bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits &= abs_bits;
+    v8i m = (v8i)(bits > *peak);
+    *peak = (bits & m) | (*peak & ~m);
+}
+
+static inline void square_and_peak_halves(v8f lo, v8f hi, v8f *sq_lo, v8f *sq_hi, v8i *peak) {
+    *sq_lo += lo * lo;
+    *sq_hi += hi * hi;
+    peak_into(lo, peak);
+    peak_into(hi, peak);
+}
+
+void sdc_stats_f32(const float *x, int64_t n, int64_t chunk, int32_t what, double *out) {
+    v8f sq_lo = {0}, sq_hi = {0}, lo, hi;
+    v8i peak = {0};
+    const int full = what == 3;
+    double total = 0.0;
+    if (chunk <= 0) {
+        v4d q0 = {0}, q1 = {0}, q2 = {0}, q3 = {0};
+        for (int64_t i = 0; i < n; i += LANES) {
+            load_halves(x + i, n - i, &lo, &hi);
+            widen_into(lo, &q0, &q1);
+            widen_into(hi, &q2, &q3);
+            if (full) square_and_peak_halves(lo, hi, &sq_lo, &sq_hi, &peak);
+        }
+        total = tree_quarters(q0, q1, q2, q3);
+    } else {
+        int64_t head = n - n % chunk;
+        for (int64_t c = 0; c < head; c += chunk) {
+            v8f acc_lo = {0}, acc_hi = {0};
+            for (int64_t k = 0; k < chunk; k += LANES) {
+                load_halves(x + c + k, LANES, &lo, &hi);
+                acc_lo += lo;
+                acc_hi += hi;
+                if (full) square_and_peak_halves(lo, hi, &sq_lo, &sq_hi, &peak);
+            }
+            total += (double)tree_halves(acc_lo, acc_hi);
+        }
+        float tail = 0.0f;
+        for (int64_t i = head; i < n; i++) tail += x[i];
+        total += (double)tail;
+        if (full)
+            for (int64_t i = head; i < n; i += LANES) {
+                load_halves(x + i, n - i, &lo, &hi);
+                square_and_peak_halves(lo, hi, &sq_lo, &sq_hi, &peak);
+            }
+    }
+    out[0] = total;
+    if (full) {
+        int32_t t[8], m = 0;
+        memcpy(t, &peak, sizeof t);
+        for (int j = 0; j < 8; j++) m = t[j] > m ? t[j] : m;
+        float mf;
+        memcpy(&mf, &m, sizeof mf);
+        out[1] = (double)sqrtf(tree_halves(sq_lo, sq_hi));
+        out[2] = (double)mf;
+    }
+}
+#endif
+
+/* Integer vectors of the CPU's own width. An integer maximum is the same whatever the lanes,
+ * so these kernels need not keep the 16-lane order the float sums keep; and a vector wider
+ * than the CPU's registers is what GCC lowers worst (on an AVX2 CPU a 64-byte integer compare
+ * and blend ran ten times slower than the same loop over 32-byte vectors). */
+#if defined(__AVX512F__)
+#define INT_VECTOR_BYTES 64
+#elif defined(__AVX2__)
+#define INT_VECTOR_BYTES 32
+#else
+#define INT_VECTOR_BYTES 16
+#endif
+typedef int16_t vs16 __attribute__((vector_size(INT_VECTOR_BYTES)));
+typedef int32_t vs32 __attribute__((vector_size(INT_VECTOR_BYTES)));
+typedef int64_t vs64 __attribute__((vector_size(INT_VECTOR_BYTES)));
 
 /* max over elements of the bits below the sign bit, for one word width: the element is NaN or
- * ±Inf exactly when that is at least the all-ones exponent pattern. */
-#define MAX_ABS(NAME, T, V, MASK)                                                  \
+ * ±Inf exactly when that is at least the all-ones exponent pattern. The masked words are
+ * non-negative as signed integers, so the signed comparison the CPU has (AVX2 has no unsigned
+ * one) orders them as the unsigned one would. */
+#define MAX_ABS(NAME, T, S, V, MASK)                                               \
     static T NAME(const T *w, int64_t n) {                                         \
-        const int k = (int)(sizeof(V) / sizeof(T));                                \
+        const int k = (int)(sizeof(V) / sizeof(S));                                \
         V acc = {0};                                                               \
-        const V mask = (V){0} + (MASK);                                            \
+        const V mask = (V){0} + (S)(MASK);                                         \
         int64_t head = n - n % k;                                                  \
         for (int64_t i = 0; i < head; i += k) {                                    \
             V v;                                                                   \
@@ -147,20 +280,19 @@ void sdc_stats_f32(const float *x, int64_t n, int64_t chunk, int32_t what, doubl
             V m = (V)(v > acc);                                                    \
             acc = (v & m) | (acc & ~m);                                            \
         }                                                                          \
-        T t[sizeof(V) / sizeof(T)], r = 0;                                         \
+        S t[sizeof(V) / sizeof(S)], r = 0;                                         \
         memcpy(t, &acc, sizeof t);                                                 \
         for (int j = 0; j < k; j++) r = t[j] > r ? t[j] : r;                       \
         for (int64_t i = head; i < n; i++) {                                       \
-            T a = w[i] & (MASK);                                                   \
+            S a = (S)(w[i] & (MASK));                                              \
             r = a > r ? a : r;                                                     \
         }                                                                          \
-        return r;                                                                  \
+        return (T)r;                                                               \
     }
 
-typedef uint16_t v32h __attribute__((vector_size(64)));
-MAX_ABS(max_abs16, uint16_t, v32h, (uint16_t)0x7fffu)
-MAX_ABS(max_abs32, uint32_t, v16u, 0x7fffffffu)
-MAX_ABS(max_abs64, uint64_t, v8q, 0x7fffffffffffffffull)
+MAX_ABS(max_abs16, uint16_t, int16_t, vs16, 0x7fffu)
+MAX_ABS(max_abs32, uint32_t, int32_t, vs32, 0x7fffffffu)
+MAX_ABS(max_abs64, uint64_t, int64_t, vs64, 0x7fffffffffffffffull)
 
 /* Kinds of floating-point storage: their non-finite exponent patterns. */
 enum { KIND_F16 = 0, KIND_BF16 = 1, KIND_F32 = 2, KIND_F64 = 3 };
@@ -247,6 +379,7 @@ int32_t sdc_fingerprint(int64_t count, const void *const *ptrs, const int64_t *n
  * compared across ranks, so the lane order only has to be as accurate as torch's reductions
  * (float32 lanes for the row reductions; the column and channel sums in float64). */
 
+#if defined(__AVX512F__)
 /* Σ_l a_l·b_l and Σ_l a_l² of one row of k floats: float32 lanes, two accumulators each
  * (blocks of 16 alternate), so the additions do not wait on one another. */
 static inline void dot_and_square(const float *a, const float *b, int64_t k, float *dot,
@@ -297,6 +430,79 @@ static inline float row_sum(const float *a, int64_t n, float *sq) {
     if (sq) *sq = tree16f(s0 + s1);
     return tree16f((c0 + c1) + (c2 + c3));
 }
+#else
+/* Without 64-byte vectors (see sdc_stats_f32): the same passes over 8-lane vectors, the
+ * CPU's own (these sums need not be the same bits on every CPU). */
+static inline v8f load8f(const float *p) {
+    v8f v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline v8f partial8f(const float *p, int64_t n) {
+    float t[8] = {0};
+    memcpy(t, p, (size_t)n * sizeof(float));
+    v8f v;
+    memcpy(&v, t, sizeof v);
+    return v;
+}
+
+static inline float tree8f(v8f a) {
+    float t[8];
+    memcpy(t, &a, sizeof t);
+    for (int w = 4; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++) t[j] = t[j] + t[j + w];
+    return t[0];
+}
+
+static inline void dot_and_square(const float *a, const float *b, int64_t k, float *dot,
+                                  float *sq) {
+    v8f d0 = {0}, d1 = {0}, s0 = {0}, s1 = {0};
+    int64_t l = 0;
+    for (; l + 16 <= k; l += 16) {
+        v8f a0 = load8f(a + l), b0 = load8f(b + l);
+        v8f a1 = load8f(a + l + 8), b1 = load8f(b + l + 8);
+        d0 += a0 * b0;
+        s0 += a0 * a0;
+        d1 += a1 * b1;
+        s1 += a1 * a1;
+    }
+    for (; l < k; l += 8) {
+        int64_t m = k - l < 8 ? k - l : 8;
+        v8f va = m == 8 ? load8f(a + l) : partial8f(a + l, m);
+        v8f vb = m == 8 ? load8f(b + l) : partial8f(b + l, m);
+        d0 += va * vb;
+        s0 += va * va;
+    }
+    *dot = tree8f(d0 + d1);
+    *sq = tree8f(s0 + s1);
+}
+
+static inline float row_sum(const float *a, int64_t n, float *sq) {
+    v8f c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, s0 = {0}, s1 = {0};
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        v8f v0 = load8f(a + j), v1 = load8f(a + j + 8);
+        v8f v2 = load8f(a + j + 16), v3 = load8f(a + j + 24);
+        c0 += v0;
+        c1 += v1;
+        c2 += v2;
+        c3 += v3;
+        if (sq) {
+            s0 += v0 * v0 + v2 * v2;
+            s1 += v1 * v1 + v3 * v3;
+        }
+    }
+    for (; j < n; j += 8) {
+        int64_t m = n - j < 8 ? n - j : 8;
+        v8f v = m == 8 ? load8f(a + j) : partial8f(a + j, m);
+        c0 += v;
+        if (sq) s0 += v * v;
+    }
+    if (sq) *sq = tree8f(s0 + s1);
+    return tree8f((c0 + c1) + (c2 + c3));
+}
+#endif
 
 /* The forward row checksum of y = x Wᵀ + b over `rows` rows (x: rows x k, y: rows x n; sums:
  * sdc_col_sums_f32's k + 3 floats [W.sum(0), ‖W‖_F, Σ b, Σ |b|]): residual_i = Σ_j y_ij −
@@ -348,19 +554,25 @@ void sdc_col_sums_f32(const float *w, int64_t rows, int64_t k, const float *bias
     memset(acc, 0, (size_t)k * sizeof(double));
     for (int64_t i = 0; i < rows; i++) {
         const float *row = w + i * k;
-        v8d s = {0};
+        v4d s_lo = {0}, s_hi = {0}; /* columns l..l+3 and l+4..l+7 of each block of 8 */
         for (int64_t l = 0; l < whole; l += 8) {
-            v8f v;
-            memcpy(&v, row + l, sizeof v);
-            v8d a;
+            v4f x, y;
+            memcpy(&x, row + l, sizeof x);
+            memcpy(&y, row + l + 4, sizeof y);
+            v4d a, b;
             memcpy(&a, acc + l, sizeof a);
-            v8d vd = __builtin_convertvector(v, v8d);
-            a += vd;
-            s += vd * vd;
+            memcpy(&b, acc + l + 4, sizeof b);
+            v4d xd = __builtin_convertvector(x, v4d), yd = __builtin_convertvector(y, v4d);
+            a += xd;
+            b += yd;
+            s_lo += xd * xd;
+            s_hi += yd * yd;
             memcpy(acc + l, &a, sizeof a);
+            memcpy(acc + l + 4, &b, sizeof b);
         }
         double t[8];
-        memcpy(t, &s, sizeof t);
+        memcpy(t, &s_lo, sizeof s_lo);
+        memcpy(t + 4, &s_hi, sizeof s_hi);
         for (int j = 0; j < 8; j++) total += t[j];
         for (int64_t l = whole; l < k; l++) {
             acc[l] += (double)row[l];
@@ -382,27 +594,28 @@ void sdc_col_sums_f32(const float *w, int64_t rows, int64_t k, const float *bias
 /* The affine normalisation's gradient checksums (NormCheck) over `rows` rows of `width`
  * channels, one pass over the output gradient d and the recomputed x̂: out = [Σ d·x̂,
  * Σ |d·x̂| + Σ |d|, Σ d, Σ |d|] per channel (4 x width floats: the weight's expectation and
- * its magnitude, then the bias's), accumulated in float64. Column blocks of 8 down every row:
- * the four accumulators stay in registers. */
+ * its magnitude, then the bias's), accumulated in float64. Column blocks of 4 down every row:
+ * the four accumulators stay in registers (32-byte vectors, which every x86 CPU with AVX
+ * has; per channel the sums are the same whatever the block). */
 void sdc_norm_grad_f32(const float *d, const float *xh, int64_t rows, int64_t width,
                        float *out) {
-    const v8q abs_bits = (v8q){0} + 0x7fffffffffffffffull;
-    int64_t whole = width - width % 8;
-    for (int64_t l = 0; l < whole; l += 8) {
-        v8d a = {0}, b = {0}, c = {0}, e = {0};
+    const v4q abs_bits = (v4q){0} + 0x7fffffffffffffffull;
+    int64_t whole = width - width % 4;
+    for (int64_t l = 0; l < whole; l += 4) { /* four channels a block: 32-byte vectors */
+        v4d a = {0}, b = {0}, c = {0}, e = {0};
         for (int64_t i = 0; i < rows; i++) {
-            v8f fd, fx;
+            v4f fd, fx;
             memcpy(&fd, d + i * width + l, sizeof fd);
             memcpy(&fx, xh + i * width + l, sizeof fx);
-            v8d vd = __builtin_convertvector(fd, v8d), vx = __builtin_convertvector(fx, v8d);
-            v8d p = vd * vx, ad = (v8d)((v8q)vd & abs_bits);
+            v4d vd = __builtin_convertvector(fd, v4d), vx = __builtin_convertvector(fx, v4d);
+            v4d p = vd * vx, ad = (v4d)((v4q)vd & abs_bits);
             a += p;
-            b += (v8d)((v8q)p & abs_bits) + ad;
+            b += (v4d)((v4q)p & abs_bits) + ad;
             c += vd;
             e += ad;
         }
-        v8f fa = __builtin_convertvector(a, v8f), fb = __builtin_convertvector(b, v8f);
-        v8f fc = __builtin_convertvector(c, v8f), fe = __builtin_convertvector(e, v8f);
+        v4f fa = __builtin_convertvector(a, v4f), fb = __builtin_convertvector(b, v4f);
+        v4f fc = __builtin_convertvector(c, v4f), fe = __builtin_convertvector(e, v4f);
         memcpy(out + l, &fa, sizeof fa);
         memcpy(out + width + l, &fb, sizeof fb);
         memcpy(out + 2 * width + l, &fc, sizeof fc);

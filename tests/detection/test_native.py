@@ -320,3 +320,47 @@ def test_auto_leaves_a_large_list_to_the_compiled_kernel_when_torch_runs_threads
         torch.set_num_threads(threads)
     native.set_enabled(False)
     assert not fp.use_native(small)
+
+
+def test_the_portable_build_computes_the_same_bits_as_this_cpus(tmp_path: Path) -> None:
+    """The kernels have two shapes — 16-lane vectors where the CPU has 64-byte registers
+    (AVX-512), 8-lane halves elsewhere (AVX2, NEON, or no ``-march=native``) — and a bucket's
+    sums must be the same bits on both, as ranks on different CPUs compare them. The library
+    built for this CPU against one built without ``-march=native`` (the baseline instruction
+    set: the halves), on sums of every length and chunking, non-finite elements included; and
+    the integer kernels (state flag, fingerprint) likewise."""
+    import ctypes
+
+    assert native.available(), native.unavailable_reason()
+    portable = tmp_path / "portable.so"
+    command = [*native._compiler(), *native._FLAGS, str(native._SOURCE), "-o", str(portable)]
+    subprocess.run([*command, "-lm"], check=True, capture_output=True, timeout=120)
+    other = native._declare(ctypes.CDLL(str(portable)))
+    here = native._lib()
+    gen = torch.Generator().manual_seed(4)
+    for numel in (1, 15, 16, 17, 1000, WIDE_MAX + 1, 70_001):
+        x = torch.randn(numel, generator=gen) * torch.exp(3 * torch.randn(numel, generator=gen))
+        if numel > 100:
+            x[numel // 3] = math.inf if numel % 2 else math.nan
+        for chunk in {0, native_chunk(numel), 64}:
+            outs = []
+            for lib in (here, other):
+                out = torch.zeros(3, dtype=torch.float64)
+                lib.sdc_stats_f32(x.data_ptr(), numel, chunk, 3, out.data_ptr())
+                outs.append(out.view(torch.int64).tolist())
+            assert outs[0] == outs[1], (numel, chunk)
+        pointers = native.PointerList([x], [native.nonfinite_kind(x) or 0])
+        flags = [
+            lib.sdc_nonfinite(pointers.count, pointers.ptrs, pointers.numels, pointers.codes)
+            for lib in (here, other)
+        ]
+        assert flags[0] == flags[1] == int(not bool(torch.isfinite(x).all()))
+        words = native.PointerList([x], [4], [numel])
+        prints = []
+        for lib in (here, other):
+            out = torch.zeros(2, dtype=torch.int64)
+            lib.sdc_fingerprint(
+                1, words.ptrs, words.numels, words.codes, words.offsets, out.data_ptr()
+            )
+            prints.append(out.tolist())
+        assert prints[0] == prints[1] == native.fingerprint(words).tolist()
