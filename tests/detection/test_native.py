@@ -322,6 +322,33 @@ def test_auto_leaves_a_large_list_to_the_compiled_kernel_when_torch_runs_threads
     assert not fp.use_native(small)
 
 
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+def test_a_large_plan_takes_the_table_where_64_bit_multiplies_are_emulated(
+    capability: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``auto`` a plan of a million words or more takes the compiled table on a CPU
+    without 64-bit vector multiplies (AVX2: the C kernel's three emulated multiplications a
+    word cost more than the table's load), the C kernel where they are native (AVX-512); a
+    short list takes the C kernel on both."""
+    fp.set_kernel(Kernel.AUTO)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # with more, a large list goes to the compiled kernel anyway
+    try:
+        large = FingerprintPlan([torch.zeros(fp._FUSED_MIN_ELEMENTS), torch.zeros(7)])
+        large._build(large._signature())
+        small = FingerprintPlan([torch.zeros(1000)])
+        small._build(small._signature())
+    finally:
+        torch.set_num_threads(threads)
+    assert small._native is not None
+    if capability == "AVX2":
+        assert large._native is None
+        assert large._ordered is not None  # the compiled table's multipliers, in list order
+    else:
+        assert large._native is not None
+
+
 def test_the_portable_build_computes_the_same_bits_as_this_cpus(tmp_path: Path) -> None:
     """The kernels have two shapes — 16-lane vectors where the CPU has 64-byte registers
     (AVX-512), 8-lane halves elsewhere (AVX2, NEON, or no ``-march=native``) — and a bucket's
