@@ -66,7 +66,7 @@ def _guard(package: str, ddp: DistributedDataParallel, opt: Any, mb: Any, defer:
 def _rank(rank: int, world: int, port: int, scratch: str, steps: int, defer: bool) -> None:
     sys.path.insert(0, scratch)
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=120))
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     cfg = ModelConfig(vocab=64, d_model=32, n_heads=2, n_layers=1, seq_len=16, batch=4)
     device = torch.device("cpu")
@@ -137,12 +137,15 @@ def main() -> None:
     parser.add_argument("--defer", action="store_true", help="defer_decision=True")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # The store's server here, on a port the system picks: the ranks join it as clients.
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=120), wait_for_workers=False
+    )
     with tempfile.TemporaryDirectory() as scratch:
         copy_as_base(args.base, Path(scratch))
-        port = random.randint(20000, 40000)
         mp.start_processes(
             _rank,
-            args=(args.world_size, port, scratch, args.steps, args.defer),
+            args=(args.world_size, store.port, scratch, args.steps, args.defer),
             nprocs=args.world_size,
             start_method="spawn",
         )

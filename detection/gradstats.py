@@ -245,8 +245,9 @@ class _History:
 
 @dataclass
 class _ScalarTests:
-    """The tests of one layout as a loop over each rank's name → value mapping: their
-    definition, and the faster way for a small table (see :class:`GradStatsDetector`)."""
+    """The tests of one layout as a loop over each rank's values: their definition
+    (:meth:`_test_logs`, :meth:`_learn_logs`), and the faster way for a small table (see
+    :class:`GradStatsDetector`)."""
 
     world_size: int
     config: StatsConfig = field(default_factory=StatsConfig)
@@ -265,46 +266,15 @@ class _ScalarTests:
         """The findings of this step (empty while calibrating), at most one per rank."""
         if not self.calibrated:
             return []
-        logs = [{name: _log(v) for name, v in per.items() if math.isfinite(v)} for per in values]
-        cross: list[StatFinding] = []
-
-        floor = math.log(self.config.floor_factor)
-        names = sorted(set().union(*(set(x) for x in logs))) if logs else []
-        if self.world_size >= 3:
-            for name in names:
-                xs = [(r, x[name]) for r, x in enumerate(logs) if name in x]
-                if len(xs) < 3:
-                    continue
-                median = statistics.median(v for _, v in xs)
-                spread = self._spread.get(name)
-                scale = spread.mean if spread is not None else 0.0
-                threshold = max(self.config.k * scale, floor)
-                for r, v in xs:
-                    if v - median > threshold:
-                        cross.append(
-                            stat_finding(r, name, "cross-rank", v, median, threshold, scale)
-                        )
-        temporal: list[StatFinding] = []
-        for r, x in enumerate(logs):
-            for name, v in x.items():
-                history = self._temporal.get((r, name))
-                if history is None or history.n < self.config.warmup:
-                    continue
-                threshold = max(self.config.k * history.dev, floor)
-                if v - history.mean > threshold:
-                    temporal.append(
-                        stat_finding(r, name, "temporal", v, history.mean, threshold, history.dev)
-                    )
-        return worst_per_rank(cross, temporal, self.world_size)
+        return self._test_logs(*_logs_of(values))
 
     def test_rows(
         self, names: Sequence[str], rows: Sequence[Sequence[float]], *, learn: bool
     ) -> list[StatFinding]:
         """:meth:`test` and then, when ``learn`` and nothing was found, :meth:`learn`, of the
-        table ``rows[r][j]`` (statistic ``names[j]`` on rank ``r``): the same findings and
-        histories, with each value's log taken once and no mapping built per rank — the
-        guard's per-step path, where the two calls and their mappings cost more than the
-        tests."""
+        table ``rows[r][j]`` (statistic ``names[j]`` on rank ``r``): each value's log taken
+        once and no mapping built per rank — the guard's per-step path, where the two calls
+        and their mappings cost more than the tests."""
         log, isfinite, tiny = math.log, math.isfinite, _TINY
         logs = [
             [(j, log(max(abs(v), tiny))) for j, v in enumerate(row) if isfinite(v)] for row in rows
@@ -317,6 +287,9 @@ class _ScalarTests:
     def _test_logs(
         self, names: Sequence[str], logs: Sequence[Sequence[tuple[int, float]]]
     ) -> list[StatFinding]:
+        """The tests on each rank's finite logs (``(column, log)``, columns named by ``names``):
+        cross-rank against the median of three or more ranks, temporal against the rank's own
+        history; each rank's worst (:func:`worst_per_rank`)."""
         cfg = self.config
         floor = math.log(cfg.floor_factor)
         cross: list[StatFinding] = []
@@ -354,6 +327,8 @@ class _ScalarTests:
     def _learn_logs(
         self, names: Sequence[str], logs: Sequence[Sequence[tuple[int, float]]]
     ) -> None:
+        """Fold a clean step's logs into the histories: each rank's own, and with three or more
+        ranks the spread (scaled median absolute deviation) of each column."""
         cfg = self.config
         alpha, warmup, temporal = cfg.alpha, cfg.warmup, self._temporal
         for r, x in enumerate(logs):
@@ -374,20 +349,23 @@ class _ScalarTests:
 
     def learn(self, values: Sequence[dict[str, float]]) -> None:
         """Fold a clean step into the histories."""
-        cfg = self.config
-        logs = [{name: _log(v) for name, v in per.items() if math.isfinite(v)} for per in values]
-        for r, x in enumerate(logs):
-            for name, v in x.items():
-                self._temporal.setdefault((r, name), _History()).update(v, cfg.alpha, cfg.warmup)
-        if self.world_size >= 3:
-            for name in set().union(*(set(x) for x in logs)):
-                xs = [x[name] for x in logs if name in x]
-                if len(xs) < 3:
-                    continue
-                median = statistics.median(xs)
-                mad = _MAD_TO_SIGMA * statistics.median(abs(v - median) for v in xs)
-                self._spread.setdefault(name, _History()).update(mad, cfg.alpha, cfg.warmup)
-        self.steps_learnt += 1
+        self._learn_logs(*_logs_of(values))
+
+
+def _logs_of(
+    values: Sequence[dict[str, float]],
+) -> tuple[list[str], list[list[tuple[int, float]]]]:
+    """Each rank's finite values as ``(column, log)`` in the rank's own order, and the
+    columns' names (a non-finite value is no evidence: it is left out, as a missing one)."""
+    index: dict[str, int] = {}
+    logs = []
+    for per in values:
+        row = []
+        for name, v in per.items():
+            if math.isfinite(v):
+                row.append((index.setdefault(name, len(index)), _log(v)))
+        logs.append(row)
+    return list(index), logs
 
 
 def _by_column(
