@@ -379,111 +379,73 @@ int32_t sdc_fingerprint(int64_t count, const void *const *ptrs, const int64_t *n
  * compared across ranks, so the lane order only has to be as accurate as torch's reductions
  * (float32 lanes for the row reductions; the column and channel sums in float64). */
 
+/* The vector these passes use: the CPU's own width (16 lanes with AVX-512, 8 elsewhere, where
+ * a 64-byte vector is kept in memory: see sdc_stats_f32). These sums need not be the same bits
+ * on every CPU. */
 #if defined(__AVX512F__)
-/* Σ_l a_l·b_l and Σ_l a_l² of one row of k floats: float32 lanes, two accumulators each
- * (blocks of 16 alternate), so the additions do not wait on one another. */
-static inline void dot_and_square(const float *a, const float *b, int64_t k, float *dot,
-                                  float *sq) {
-    v16f d0 = {0}, d1 = {0}, s0 = {0}, s1 = {0};
-    int64_t l = 0;
-    for (; l + 2 * LANES <= k; l += 2 * LANES) {
-        v16f a0 = load16f(a + l), b0 = load16f(b + l);
-        v16f a1 = load16f(a + l + LANES), b1 = load16f(b + l + LANES);
-        d0 += a0 * b0;
-        s0 += a0 * a0;
-        d1 += a1 * b1;
-        s1 += a1 * a1;
-    }
-    for (; l < k; l += LANES) {
-        int64_t m = k - l < LANES ? k - l : LANES;
-        v16f va = m == LANES ? load16f(a + l) : partial16f(a + l, m);
-        v16f vb = m == LANES ? load16f(b + l) : partial16f(b + l, m);
-        d0 += va * vb;
-        s0 += va * va;
-    }
-    *dot = tree16f(d0 + d1);
-    *sq = tree16f(s0 + s1);
-}
-
-/* Σ_j a_j of one row of n floats (float32 lanes, four accumulators); with sq, also Σ_j a_j². */
-static inline float row_sum(const float *a, int64_t n, float *sq) {
-    v16f c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, s0 = {0}, s1 = {0};
-    int64_t j = 0;
-    for (; j + 4 * LANES <= n; j += 4 * LANES) {
-        v16f v0 = load16f(a + j), v1 = load16f(a + j + LANES);
-        v16f v2 = load16f(a + j + 2 * LANES), v3 = load16f(a + j + 3 * LANES);
-        c0 += v0;
-        c1 += v1;
-        c2 += v2;
-        c3 += v3;
-        if (sq) {
-            s0 += v0 * v0 + v2 * v2;
-            s1 += v1 * v1 + v3 * v3;
-        }
-    }
-    for (; j < n; j += LANES) {
-        int64_t m = n - j < LANES ? n - j : LANES;
-        v16f v = m == LANES ? load16f(a + j) : partial16f(a + j, m);
-        c0 += v;
-        if (sq) s0 += v * v;
-    }
-    if (sq) *sq = tree16f(s0 + s1);
-    return tree16f((c0 + c1) + (c2 + c3));
-}
+#define ALANES 16
+typedef v16f vrow;
+static inline vrow load_row(const float *p) { return load16f(p); }
+static inline vrow partial_row(const float *p, int64_t n) { return partial16f(p, n); }
+static inline float tree_row(vrow a) { return tree16f(a); }
 #else
-/* Without 64-byte vectors (see sdc_stats_f32): the same passes over 8-lane vectors, the
- * CPU's own (these sums need not be the same bits on every CPU). */
-static inline v8f load8f(const float *p) {
-    v8f v;
+#define ALANES 8
+typedef v8f vrow;
+static inline vrow load_row(const float *p) {
+    vrow v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline v8f partial8f(const float *p, int64_t n) {
-    float t[8] = {0};
+static inline vrow partial_row(const float *p, int64_t n) {
+    float t[ALANES] = {0};
     memcpy(t, p, (size_t)n * sizeof(float));
-    v8f v;
+    vrow v;
     memcpy(&v, t, sizeof v);
     return v;
 }
 
-static inline float tree8f(v8f a) {
-    float t[8];
+static inline float tree_row(vrow a) {
+    float t[ALANES];
     memcpy(t, &a, sizeof t);
-    for (int w = 4; w >= 1; w /= 2)
+    for (int w = ALANES / 2; w >= 1; w /= 2)
         for (int j = 0; j < w; j++) t[j] = t[j] + t[j + w];
     return t[0];
 }
+#endif
 
+/* Σ_l a_l·b_l and Σ_l a_l² of one row of k floats: float32 lanes, two accumulators each
+ * (blocks alternate), so the additions do not wait on one another. */
 static inline void dot_and_square(const float *a, const float *b, int64_t k, float *dot,
                                   float *sq) {
-    v8f d0 = {0}, d1 = {0}, s0 = {0}, s1 = {0};
+    vrow d0 = {0}, d1 = {0}, s0 = {0}, s1 = {0};
     int64_t l = 0;
-    for (; l + 16 <= k; l += 16) {
-        v8f a0 = load8f(a + l), b0 = load8f(b + l);
-        v8f a1 = load8f(a + l + 8), b1 = load8f(b + l + 8);
+    for (; l + 2 * ALANES <= k; l += 2 * ALANES) {
+        vrow a0 = load_row(a + l), b0 = load_row(b + l);
+        vrow a1 = load_row(a + l + ALANES), b1 = load_row(b + l + ALANES);
         d0 += a0 * b0;
         s0 += a0 * a0;
         d1 += a1 * b1;
         s1 += a1 * a1;
     }
-    for (; l < k; l += 8) {
-        int64_t m = k - l < 8 ? k - l : 8;
-        v8f va = m == 8 ? load8f(a + l) : partial8f(a + l, m);
-        v8f vb = m == 8 ? load8f(b + l) : partial8f(b + l, m);
+    for (; l < k; l += ALANES) {
+        int64_t m = k - l < ALANES ? k - l : ALANES;
+        vrow va = m == ALANES ? load_row(a + l) : partial_row(a + l, m);
+        vrow vb = m == ALANES ? load_row(b + l) : partial_row(b + l, m);
         d0 += va * vb;
         s0 += va * va;
     }
-    *dot = tree8f(d0 + d1);
-    *sq = tree8f(s0 + s1);
+    *dot = tree_row(d0 + d1);
+    *sq = tree_row(s0 + s1);
 }
 
+/* Σ_j a_j of one row of n floats (float32 lanes, four accumulators); with sq, also Σ_j a_j². */
 static inline float row_sum(const float *a, int64_t n, float *sq) {
-    v8f c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, s0 = {0}, s1 = {0};
+    vrow c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, s0 = {0}, s1 = {0};
     int64_t j = 0;
-    for (; j + 32 <= n; j += 32) {
-        v8f v0 = load8f(a + j), v1 = load8f(a + j + 8);
-        v8f v2 = load8f(a + j + 16), v3 = load8f(a + j + 24);
+    for (; j + 4 * ALANES <= n; j += 4 * ALANES) {
+        vrow v0 = load_row(a + j), v1 = load_row(a + j + ALANES);
+        vrow v2 = load_row(a + j + 2 * ALANES), v3 = load_row(a + j + 3 * ALANES);
         c0 += v0;
         c1 += v1;
         c2 += v2;
@@ -493,16 +455,15 @@ static inline float row_sum(const float *a, int64_t n, float *sq) {
             s1 += v1 * v1 + v3 * v3;
         }
     }
-    for (; j < n; j += 8) {
-        int64_t m = n - j < 8 ? n - j : 8;
-        v8f v = m == 8 ? load8f(a + j) : partial8f(a + j, m);
+    for (; j < n; j += ALANES) {
+        int64_t m = n - j < ALANES ? n - j : ALANES;
+        vrow v = m == ALANES ? load_row(a + j) : partial_row(a + j, m);
         c0 += v;
         if (sq) s0 += v * v;
     }
-    if (sq) *sq = tree8f(s0 + s1);
-    return tree8f((c0 + c1) + (c2 + c3));
+    if (sq) *sq = tree_row(s0 + s1);
+    return tree_row((c0 + c1) + (c2 + c3));
 }
-#endif
 
 /* The forward row checksum of y = x Wᵀ + b over `rows` rows (x: rows x k, y: rows x n; sums:
  * sdc_col_sums_f32's k + 3 floats [W.sum(0), ‖W‖_F, Σ b, Σ |b|]): residual_i = Σ_j y_ij −
