@@ -28,7 +28,12 @@ optimizer:
   the guard's (``all_gather_table``, brought to the host as the guard does) and nothing else:
   the floor under any design that decides every step with a collective of its own. Its row
   is not sdcguard's cost; it says how much of the fixed cost the collective alone takes, and
-  so what carrying the row in the gradient all-reduce could save.
+  so what carrying the row in the gradient all-reduce could save;
+* ``hook``     — plain DDP with PyTorch's own averaging comm hook written in Python
+  (``default_hooks.allreduce_hook``) in place of DDP's built-in C++ one, and nothing else: the
+  floor under any check that reads a gradient bucket before its all-reduce, which only a comm
+  hook can (the guard's is one). Like ``gather``, a floor, not sdcguard's cost: together the
+  two rows say how much of a small model's target the design's fixed parts leave.
 
 A round runs one step of each (``--block K``: K consecutive steps, their median), in an order
 shuffled per round (the same on every rank), so slow drifts of a shared machine hit every
@@ -78,6 +83,7 @@ from typing import Any
 import loop_paths  # benchmarks/ is on sys.path when this file runs as a script
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from detection import native
@@ -101,6 +107,7 @@ VARIANTS = (
     "loss",
     "gradient",
     "gather",
+    "hook",
 )
 # (row, reference overhead published by AWS, target ratio)
 ROWS = (
@@ -116,6 +123,7 @@ ROWS = (
     ("gradient audit every 10 steps", "gradient", 10, 1.347, 1.15),
     ("gradient audit every 100 steps", "gradient", 100, 1.101, 1.03),
     ("plain + one all-gather (floor)", "gather", 0, None, None),
+    ("plain + Python comm hook (floor)", "hook", 0, None, None),
 )
 # Words in the ``gather`` variant's row: the guard's own row is 22 words, 30-50 with the
 # per-step layer's row carried in it for these models; gloo's latency is the same over that range.
@@ -266,6 +274,8 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
         torch.manual_seed(0)
         ddps[name] = DistributedDataParallel(TinyTransformer(cfg).to(device), device_ids=device_ids)
         opts[name] = torch.optim.AdamW(ddps[name].parameters(), lr=1e-3)
+        if name == "hook":
+            ddps[name].register_comm_hook(state=None, hook=allreduce_hook)
         if name in modes:
             every, mode, state = modes[name]
             config = GuardConfig(
@@ -417,7 +427,8 @@ def _table(bench: Bench, result: dict[str, Any], rows: tuple[Any, ...] = ROWS) -
         f"fixed per-step cost of the checks (median checks - plain): "
         f"{_fixed_ms(wall):.3f} ms wall, {_fixed_ms(cpu):.3f} ms CPU; of which one all-gather "
         f"alone (median gather - plain): {_fixed_ms(wall, 'gather'):.3f} ms wall, "
-        f"{_fixed_ms(cpu, 'gather'):.3f} ms CPU",
+        f"{_fixed_ms(cpu, 'gather'):.3f} ms CPU; a Python comm hook alone (median hook - plain): "
+        f"{_fixed_ms(wall, 'hook'):.3f} ms wall, {_fixed_ms(cpu, 'hook'):.3f} ms CPU",
         "ratios: median over rounds of (sdcguard step / plain step of the same round); "
         f"{held_name} 95 %: a bootstrap interval of that median over the rounds",
         "",

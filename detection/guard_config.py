@@ -119,7 +119,8 @@ class GuardConfig:
     @property
     def mode(self) -> AuditMode:
         """``audit_mode`` as the enum (it is normalised to one on construction)."""
-        return AuditMode(self.audit_mode)
+        mode = self.audit_mode
+        return mode if isinstance(mode, AuditMode) else AuditMode(mode)
 
 
 class Identity(Protocol):

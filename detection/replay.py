@@ -22,6 +22,7 @@ micro-batches is summed), released before the replay returns.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,14 @@ class AutocastState:
 
     @classmethod
     def capture(cls) -> AutocastState:
+        """The state now. With autocast off everywhere and its cache on (a loop without
+        autocast: every forward of such a job) the one shared "off" state, whose dtypes
+        :meth:`applied` never reads; this runs once per forward, so it is the common case
+        that must cost nothing."""
+        if torch.is_autocast_cache_enabled() and not any(
+            map(torch.is_autocast_enabled, _AUTOCAST_DEVICES)
+        ):
+            return _shared_off()
         entries = tuple(
             (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
             for device in _AUTOCAST_DEVICES
@@ -83,6 +92,11 @@ class AutocastState:
                     torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=self.cache)
                 )
             yield
+
+
+@functools.cache
+def _shared_off() -> AutocastState:
+    return AutocastState.off()
 
 
 @contextlib.contextmanager
