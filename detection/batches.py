@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from detection.held_works import hold
+
 __all__ = ["BatchShipError", "exchange_batches"]
 
 
@@ -120,7 +122,7 @@ def exchange_batches(
         ops.extend(dist.P2POp(dist.isend, t, peer, group) for t in tensors)
     if ops:
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            hold(work).wait()
     return {
         source: [_unflatten(layout, buffers) for layout in plan]
         for source, (plan, buffers) in received.items()

@@ -36,6 +36,7 @@ from detection.allreduce_check import native_chunk
 from detection.carry import RowInBucket
 from detection.faults import FaultInjector
 from detection.fingerprint import fingerprint_on_device
+from detection.held_works import hold
 from detection.host_row import nonfinite_sums
 
 __all__ = [
@@ -232,7 +233,7 @@ class CheckedCommHook:
             # the GIL from the autograd thread.
             group = self._inner_state
             self._world = self._world or dist.get_world_size(group)
-            work = dist.all_reduce(buffer.div_(self._world), group=group, async_op=True)
+            work = hold(dist.all_reduce(buffer.div_(self._world), group=group, async_op=True))
             if _waits_here(bucket, buffer):
                 work.wait()
                 return _completed(reduced_bucket(buffer))
@@ -266,7 +267,7 @@ class CheckedCommHook:
             row.received(joined[n:])
             return reduced_bucket(joined[:n])
 
-        work = dist.all_reduce(joined, group=self._group, async_op=True)
+        work = hold(dist.all_reduce(joined, group=self._group, async_op=True))
         if _waits_here(bucket, joined):
             work.wait()
             row.received(joined[n:])

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from detection.fingerprint import Fingerprint, fingerprint_on_device
+from detection.held_works import hold
 
 __all__ = [
     "GatherInFlight",
@@ -179,7 +180,8 @@ class GatherInFlight:
         row = row.contiguous()
         out = torch.empty(world, row.numel(), dtype=row.dtype, device=row.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(out.view(-1), row, group=group, async_op=True)
+        # held past its completion: the backend thread must not be the one to free the row
+        work = hold(gather(out.view(-1), row, group=group, async_op=True))
         return cls(row, out, work)
 
     def table(self) -> torch.Tensor:
