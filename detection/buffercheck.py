@@ -10,7 +10,12 @@ where an invariant holds, each with a device fingerprint and no host synchronisa
 
 * **after the last forward → end of the step** (every rank): nothing but a forward pass may
   change a persistent buffer, so the fingerprint taken after the step's last forward must equal
-  the one at the end of the step; a difference names that rank, at that step.
+  the one at the end of the step; a difference names that rank, at that step. Activation
+  checkpointing (``torch.utils.checkpoint``) runs a block's forward again inside the backward,
+  and a BatchNorm there updates its running statistics a second time: when a module owning
+  buffers ran its forward outside the model's (:meth:`BufferWatch.owner_ran`), the reference is
+  taken again at the end of the step's last backward (:meth:`BufferWatch.after_backward`), so
+  the check still covers the optimizer's part of the step.
 * **end of the previous step → this step's first forward**: the buffers the forward starts
   from are what the source left — rank 0's, broadcast by DDP, or (``broadcast_buffers=False``)
   the rank's own. The source rank checks that its buffers did not change in between.
@@ -37,7 +42,7 @@ from detection.fingerprint_plan import FingerprintPlan
 from detection.host_row import on_host, wrap64
 from detection.vote import majority_vote, persistent_buffers, to_fingerprint
 
-__all__ = ["BUFFER_ROW", "BufferWatch", "buffer_finding"]
+__all__ = ["BUFFER_ROW", "BufferWatch", "buffer_finding", "buffer_owners"]
 
 # Row layout of a rank's buffer evidence, int64 pairs (a, b): the fingerprint right after DDP's
 # broadcast, the rank's own end-of-step fingerprint, (after the last forward) - (end of step),
@@ -75,6 +80,8 @@ class BufferWatch:
         self._at_broadcast: _Print | None = None
         self._after_forward: _Print | None = None
         self._previous_end: _Print | None = None
+        self._in_forward = False  # inside the model's forward, between its two hooks
+        self._stale = False  # a buffer owner ran a forward after the reference was taken
         self._zeros = torch.zeros(2, dtype=torch.int64, device=device)
 
     @property
@@ -95,11 +102,13 @@ class BufferWatch:
     def begin_step(self) -> None:
         self._at_broadcast = None
         self._after_forward = None
+        self._stale = False
 
     def forward_started(self, in_step: bool) -> None:
         """The module's forward pre-hook: DDP's broadcast has just run."""
         if not self.buffers:
             return
+        self._in_forward = True
         if not in_step:
             self._previous_end = None  # buffers may change legitimately outside steps
         elif self._at_broadcast is None:
@@ -108,10 +117,27 @@ class BufferWatch:
     def forward_finished(self, in_step: bool) -> None:
         if not self.buffers:
             return
+        self._in_forward = False
         if not in_step:
             self._previous_end = None
         else:
             self._after_forward = self._fingerprint()
+            self._stale = False
+
+    def owner_ran(self) -> None:
+        """A forward hook of each module that owns persistent buffers, in a guarded step and
+        outside a replay: run outside the model's own forward, it is a recomputation (activation
+        checkpointing, inside the backward) or a submodule called on its own, and either may
+        update the buffers after the reference was taken."""
+        if not self._in_forward:
+            self._stale = True
+
+    def after_backward(self) -> None:
+        """The end of the step's last backward: the reference again if a buffer owner ran
+        since it was taken (the recomputations of activation checkpointing are over by now)."""
+        if self._stale and self._after_forward is not None:
+            self._after_forward = self._fingerprint()
+            self._stale = False
 
     def forget_previous(self) -> None:
         """After a checkpoint load: the buffers changed on purpose since the last step."""
@@ -125,7 +151,7 @@ class BufferWatch:
         end = self._fingerprint()
         ends = _words(end)
         after = [0, 0]
-        if self._after_forward is not None:
+        if self._after_forward is not None and not self._stale:
             after = [wrap64(a - b) for a, b in zip(_words(self._after_forward), ends, strict=True)]
         between = [0, 0]
         if self._source and self._previous_end is not None and self._at_broadcast is not None:
@@ -148,7 +174,9 @@ class BufferWatch:
         end = self._tensor(self._fingerprint())
         zero2 = self._zeros
         after = (
-            self._tensor(self._after_forward) - end if self._after_forward is not None else zero2
+            self._tensor(self._after_forward) - end
+            if self._after_forward is not None and not self._stale
+            else zero2
         )
         between = zero2
         if self._source and self._previous_end is not None and self._at_broadcast is not None:
@@ -160,6 +188,21 @@ class BufferWatch:
             else None
         )
         return torch.cat([received if received is not None else zero2, end, after, between])
+
+
+def buffer_owners(module: nn.Module, *, besides: Sequence[nn.Module] = ()) -> list[nn.Module]:
+    """The submodules of ``module`` that own persistent buffers themselves, each once, except
+    ``besides`` (the modules whose forward is the model's own)."""
+    skip = {id(m) for m in besides}
+    return [
+        m
+        for m in module.modules()
+        if id(m) not in skip
+        and any(
+            b is not None and name not in m._non_persistent_buffers_set
+            for name, b in m._buffers.items()
+        )
+    ]
 
 
 def buffer_finding(

@@ -35,8 +35,10 @@ __all__ = [
 
 
 class NotReplayableError(RuntimeError):
-    """Calibration found that the loop cannot be replayed bitwise; the message says why and
-    what to change. Raised identically on every rank (all ranks decide from the same rows)."""
+    """Calibration (or a replay that cannot run at all, e.g. a gradient replay through
+    reentrant activation checkpointing) found that the loop cannot be replayed bitwise; the
+    message says why and what to change. Raised identically on every rank (all ranks decide
+    from the same rows, and run the same model code)."""
 
 
 def replay_environment(device: torch.device) -> dict[str, Any]:

@@ -74,7 +74,7 @@ from detection.audit import (
     seed_rng,
     step_seed,
 )
-from detection.buffercheck import BufferWatch
+from detection.buffercheck import BufferWatch, buffer_owners
 from detection.calibration import GuardCounters, NotReplayableError
 from detection.carry import RowInBucket
 from detection.decision import (
@@ -307,6 +307,11 @@ class SDCGuard:
             hooked.register_forward_pre_hook(self._before_forward),
             hooked.register_forward_hook(self._after_forward),
         ]
+        # a buffer owner's forward outside the model's: activation checkpointing's recompute
+        self._handles += [
+            owner.register_forward_hook(self._owner_forward)
+            for owner in buffer_owners(self.module, besides=(hooked, self.module))
+        ]
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(opt.register_step_post_hook(self._after_optimizer_step))
@@ -509,6 +514,7 @@ class SDCGuard:
             return
         # The reduced gradients are in: decide the per-step layer before any optimizer (handed
         # to the guard or not) updates a weight, then replay the partner on unchanged weights.
+        self.buffers.after_backward()  # past any recompute of activation checkpointing
         self._check_before_update(current)
         if current.audit:
             self._run_audit(current)
@@ -562,6 +568,10 @@ class SDCGuard:
     def _after_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         if not self.replay.active:
             self.buffers.forward_finished(self._current is not None)
+
+    def _owner_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if self._current is not None and not self.replay.active:
+            self.buffers.owner_ran()
 
     def _before_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")

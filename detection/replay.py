@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from detection.calibration import NotReplayableError
+
 __all__ = [
     "AutocastState",
     "BufferSnapshot",
@@ -185,7 +187,18 @@ def local_gradients(
     inputs = [params[i] for i in positions]
     if not inputs:
         return
-    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    try:
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    except RuntimeError as err:
+        if "use_reentrant" not in str(err):
+            raise
+        # the same model code on every rank: every rank's replay stops here alike
+        raise NotReplayableError(
+            "a gradient audit replays the backward with torch.autograd.grad, which activation "
+            "checkpointing with use_reentrant=True does not support: pass use_reentrant=False "
+            "to torch.utils.checkpoint (PyTorch's recommended setting), or audit in "
+            "audit_mode='loss'"
+        ) from err
     for i, g in zip(positions, grads, strict=True):
         if g is None:
             g = torch.zeros_like(params[i])
