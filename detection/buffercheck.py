@@ -26,8 +26,9 @@ checkpoint written by rank 0 holds) is added to the weight fingerprint for the c
 record: buffers sit after the parameters in one global numbering, so the sum of the two is the
 fingerprint of ``parameters + persistent buffers`` that :func:`detection.vote.verify_after_load`
 checks after a load. A forward pass outside a guarded step (an evaluation pass, a BatchNorm
-recalibration) or a checkpoint load legitimately changes buffers between steps: it clears the
-previous-step reference, so the next step checks nothing across that gap.
+recalibration, of the whole model or of one submodule owning buffers) or a checkpoint load
+legitimately changes buffers between steps: it clears the previous-step reference, so the next
+step checks nothing across that gap.
 """
 
 from __future__ import annotations

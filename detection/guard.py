@@ -570,7 +570,13 @@ class SDCGuard:
             self.buffers.forward_finished(self._current is not None)
 
     def _owner_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        if self._current is not None and not self.replay.active:
+        if self.replay.active:
+            return
+        if self._current is None:
+            # a submodule run on its own between steps (a BatchNorm recalibration, say) changes
+            # buffers legitimately, as the whole model's forward there does
+            self.buffers.forget_previous()
+        else:
             self.buffers.owner_ran()
 
     def _before_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
