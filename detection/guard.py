@@ -307,11 +307,13 @@ class SDCGuard:
             hooked.register_forward_pre_hook(self._before_forward),
             hooked.register_forward_hook(self._after_forward),
         ]
-        # a buffer owner's forward outside the model's: activation checkpointing's recompute
-        self._handles += [
-            owner.register_forward_hook(self._owner_forward)
-            for owner in buffer_owners(self.module, besides=(hooked, self.module))
-        ]
+        # A buffer owner's forward outside the model's: activation checkpointing's recompute.
+        # A compiled model calls no module hooks (and recomputes inside its compiled graph).
+        if not self._compiled():
+            self._handles += [
+                owner.register_forward_hook(self._owner_forward)
+                for owner in buffer_owners(self.module, besides=(hooked, self.module))
+            ]
         for opt in self.optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_optimizer_step))
             self._handles.append(opt.register_step_post_hook(self._after_optimizer_step))
@@ -342,10 +344,14 @@ class SDCGuard:
             group=self.group,
         )
 
-    def _step_checks(self, default_reduction: bool) -> StepChecks:
-        compiled = self.compiled_outer or isinstance(
+    def _compiled(self) -> bool:
+        """Whether the loop's forward runs compiled code, around DDP or inside it."""
+        return self.compiled_outer or isinstance(
             self.module, torch._dynamo.eval_frame.OptimizedModule
         )
+
+    def _step_checks(self, default_reduction: bool) -> StepChecks:
+        compiled = self._compiled()
         abft = not compiled if self.config.abft is None else self.config.abft
         if self.config.abft is None and compiled and self.config.step_checks:
             _log.info("ABFT off: a compiled model calls no module hooks", extra=self._extra)
