@@ -5,7 +5,8 @@ host takes to issue its kernels, and so is what the guard adds to it (``docs/det
 "On a GPU"). This script says which parts of the guard spend that time. It trains each variant
 of ``benchmarks/overhead.py`` that runs no audit (``plain``, ``bare``, ``checks``, ``abft``) under
 DDP on one rank, and ``checks-eager``, ``checks`` with the CUDA graphs of
-:mod:`detection.device_graph` switched off (what they save, side by side). It times their steps
+:mod:`detection.weights.device_graph` switched off (what they save, side by side). It times their
+steps
 side by side, then profiles a few steps of each with every function of ``detection`` wrapped in
 a named profiler range, and prints per variant:
 
@@ -43,11 +44,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import detection
-from detection.audit import seed_rng, step_seed
-from detection.device_graph import set_graphs_enabled
-from detection.gradstats import StatsConfig
+from detection.audit.ring import seed_rng, step_seed
 from detection.guard import GuardConfig, SDCGuard
-from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.stepcheck.gradstats import StatsConfig
+from detection.weights.device_graph import set_graphs_enabled
 
 VARIANTS = ("plain", "bare", "checks", "checks-eager", "abft")
 MODELS = {
@@ -58,17 +59,25 @@ _LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLau
 _COPIES = ("cudaMemcpyAsync", "cudaMemsetAsync")
 # Traced by torch.compile (a range inside would break the graph) or run per element of a loop
 # the compiler unrolls: left unwrapped.
-_TRACED = {"detection.fingerprint", "detection.fingerprint_plan"}
+_TRACED = {
+    "detection.weights.fingerprint",
+    "detection.weights.fingerprint_kernels",
+    "detection.weights.plan",
+}
 _TRACED_ENTRY = {
     "fingerprint_on_device",
     "FingerprintPlan.__call__",
     "FingerprintPlan._build",
-    "_fused",
-    "_eager",
+    "fused_fingerprint",
+    "eager_fingerprint",
     "_eager_table",
-    "_use_fused",
+    "use_fused",
 }
-_SKIPPED_MODULES = {"detection.harness", "detection.forkserver", "detection.__main__"}
+# The launcher of ``sdcguard train`` and its ranks' set-up: no part of a guarded step.
+_SKIPPED_MODULES = {"detection.harness", "detection.__main__"} | {
+    f"detection.simulation.{m}"
+    for m in ("forkserver", "cli", "config", "diagnostics", "launch", "rank", "train_args")
+}
 
 
 class _Ranges:
@@ -96,9 +105,9 @@ def wrap_detection() -> int:
     """Wrap the functions and methods of every ``detection`` module (before any guard exists,
     so the hooks a guard registers are the wrapped ones). Returns how many were wrapped."""
     modules = [
-        importlib.import_module(f"detection.{m.name}")
-        for m in pkgutil.iter_modules(detection.__path__)
-        if f"detection.{m.name}" not in _SKIPPED_MODULES
+        importlib.import_module(m.name)
+        for m in pkgutil.walk_packages(detection.__path__, "detection.")
+        if not m.ispkg and m.name not in _SKIPPED_MODULES
     ]
     wrapped: dict[int, Callable[..., Any]] = {}
     for module in modules:

@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from host_reads import HostReads  # benchmarks/ is on sys.path when this file runs as a script
 from torch.nn.parallel import DistributedDataParallel
 
-from detection.audit import seed_rng, step_seed
+from detection.audit.ring import seed_rng, step_seed
 from detection.guard import GuardConfig, SDCGuard
-from detection.host_reads import HostReads
-from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
 
 _BLOCKING = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 

@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from detection.workloads import Workload, launch, run_many
+from detection.simulation.workloads import Workload, launch, run_many
 
 BITS = tuple(range(23, 31))
 KINDS = ("grad-flip", "act-flip")

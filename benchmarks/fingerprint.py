@@ -6,11 +6,11 @@ of parameter-sized tensors like a transformer's, it measures side by side in one
 interleaved repeat by repeat:
 
 * ``torch.sum``: one ``torch.sum`` per tensor, stacked and summed: the bandwidth reference;
-* ``fused``: :func:`detection.fingerprint.fingerprint_on_device` with the fused kernel;
+* ``fused``: :func:`detection.weights.fingerprint.fingerprint_on_device` with the fused kernel;
 * ``eager``: the same with the eager kernel (the fallback without a compiler);
 * ``native``: the same with :mod:`detection.native`'s C kernel (CPU only; what ``auto`` takes
   on a CPU where it builds), its ratio to ``torch.sum`` printed next to the fused one's;
-* ``plan``: the per-step :class:`~detection.fingerprint.FingerprintPlan` a guard keeps for its
+* ``plan``: the per-step :class:`~detection.weights.plan.FingerprintPlan` a guard keeps for its
   weights, under ``fused``: up to 4M elements on a CPU without a native 64-bit vector multiply
   (AVX2) it compiles a pass that reads each word's multiplier from a table it holds (one 64-bit
   multiplication a word instead of three); above that, and on AVX-512, it is ``fused``;
@@ -21,7 +21,8 @@ fastest runs, which is what an idle machine shows), the compile time (paid once 
 and checks that every method returns the same fingerprint.
 
 A second table times the per-step layer's statistics pass
-(:class:`detection.gradstats.LocalGradStats`: the local bucket's sum, L2 norm and peak, then the
+(:class:`detection.stepcheck.gradstats.LocalGradStats`: the local bucket's sum, L2 norm and peak,
+then the
 reduced bucket's sum) over the same elements cut into DDP's default 25 MB buckets, against one
 ``torch.sum`` per bucket.
 
@@ -45,9 +46,11 @@ from collections.abc import Callable
 
 import torch
 
-from detection import fingerprint as fp
 from detection import native
-from detection.gradstats import LocalGradStats
+from detection.stepcheck.gradstats import LocalGradStats
+from detection.weights import fingerprint as fp
+from detection.weights import fingerprint_kernels as fk
+from detection.weights.plan import FingerprintPlan
 
 TARGET = 1.5
 BUCKET_ELEMENTS = 25 * 1024 * 1024 // 4  # DDP's default bucket_cap_mb=25, float32
@@ -83,7 +86,7 @@ def naive(tensors: list[torch.Tensor]) -> torch.Tensor:
         n = w.numel()
         idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
         a = a + w.sum()
-        b = b + (w * fp.multipliers(idx)).sum()
+        b = b + (w * fk.multipliers(idx)).sum()
         offset += n
     return torch.stack([a, b])
 
@@ -92,20 +95,20 @@ def sum_all(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([torch.sum(t) for t in tensors]).sum()
 
 
-def with_kernel(kernel: fp.Kernel) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+def with_kernel(kernel: fk.Kernel) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     def run(tensors: list[torch.Tensor]) -> torch.Tensor:
-        fp.set_kernel(kernel)
+        fk.set_kernel(kernel)
         return fp.fingerprint_on_device(tensors)
 
     return run
 
 
 def with_plan(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    fp.set_kernel(fp.Kernel.FUSED)
-    plan = fp.FingerprintPlan(tensors)
+    fk.set_kernel(fk.Kernel.FUSED)
+    plan = FingerprintPlan(tensors)
 
     def run(_: list[torch.Tensor]) -> torch.Tensor:
-        fp.set_kernel(fp.Kernel.FUSED)
+        fk.set_kernel(fk.Kernel.FUSED)
         return plan()
 
     return run
@@ -186,13 +189,13 @@ def main() -> int:
         params = [t.to(device) for t in host]
         methods: dict[str, Callable[[list[torch.Tensor]], torch.Tensor]] = {
             "sum": sum_all,
-            "fused": with_kernel(fp.Kernel.FUSED),
-            "eager": with_kernel(fp.Kernel.EAGER),
+            "fused": with_kernel(fk.Kernel.FUSED),
+            "eager": with_kernel(fk.Kernel.EAGER),
             "plan": with_plan(params),
             "naive": naive,
         }
         if not cuda and native.available():
-            methods["native"] = with_kernel(fp.Kernel.NATIVE)
+            methods["native"] = with_kernel(fk.Kernel.NATIVE)
         start = time.perf_counter()
         results = {name: fn(params) for name, fn in methods.items()}
         if cuda:
@@ -201,7 +204,7 @@ def main() -> int:
         checked = tuple(n for n in ("fused", "eager", "plan", "naive", "native") if n in methods)
         prints = {n: fp.fingerprint_from_tensor(results[n]) for n in checked}
         if cuda:  # the device's integer arithmetic against the CPU's, on the same words
-            fp.set_kernel(fp.Kernel.EAGER)
+            fk.set_kernel(fk.Kernel.EAGER)
             prints["cpu eager"] = fp.fingerprint_from_tensor(fp.fingerprint_on_device(host))
         if len(set(prints.values())) != 1:
             raise SystemExit(f"fingerprints disagree at {total}: {prints}")
@@ -224,7 +227,7 @@ def main() -> int:
             pair["stats"].append(timed(functools.partial(stats_pass, buckets)))
         stats_med = {k: statistics.median(v) * 1e3 for k, v in pair.items()}
         stats_rows.append((total, len(buckets), stats_med))
-    fp.set_kernel(fp.Kernel.AUTO)
+    fk.set_kernel(fk.Kernel.AUTO)
 
     header = (
         f"{'elements':>11} {'tensors':>7} {'torch.sum ms':>12} {'fused ms':>9} "

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from detection.audit import AuditMode, PartnerReplay, seed_rng, step_seed
+from detection.audit.ring import AuditMode, PartnerRecompute, seed_rng, step_seed
 from detection.guard import GuardConfig, SDCGuard
-from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
 
 ACCUM = 4
 VARIANTS = (
@@ -115,7 +115,7 @@ def replay_peak_bytes(cfg: ModelConfig) -> dict[str, float]:
         ("gradient", AuditMode.GRADIENT, 1),
         ("gradient_accum4", AuditMode.GRADIENT, ACCUM),
     ):
-        replay = PartnerReplay(
+        replay = PartnerRecompute(
             model,
             loss_fn=loss_fn,
             microbatch=lambda s, r, m=0: make_batch(cfg, 0, s * ACCUM + m, r),

@@ -87,13 +87,13 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from detection import native
-from detection.audit import seed_rng, step_seed
-from detection.fingerprint import set_kernel
-from detection.gradstats import StatsConfig
+from detection.audit.ring import seed_rng, step_seed
 from detection.guard import GuardConfig, SDCGuard
-from detection.harness import _PRELOAD
-from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
-from detection.vote import all_gather_table
+from detection.row.gather import all_gather_table
+from detection.simulation.forkserver import PRELOAD as _PRELOAD
+from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.stepcheck.gradstats import StatsConfig
+from detection.weights.fingerprint_kernels import set_kernel
 
 VARIANTS = (
     "plain",

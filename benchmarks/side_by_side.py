@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from detection.audit import seed_rng, step_seed
-from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.audit.ring import seed_rng, step_seed
+from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
 
 BASE = "detection_base"
 _IMPORT = re.compile(r"\bdetection\b(?=[.\s])")

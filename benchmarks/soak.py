@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from detection.workloads import Workload, launch, run_many
+from detection.simulation.workloads import Workload, launch, run_many
 
 JOBS: dict[int, list[Workload]] = {
     # The default configuration (ABFT checksums on) unless ``abft=False``: the statistics alone,

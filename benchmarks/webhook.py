@@ -55,7 +55,7 @@ import uvicorn
 from sqlalchemy.engine import make_url
 
 from db import AlarmOutcome, Ledger, upgrade
-from detection.signing import signed_headers
+from detection.transport.signing import signed_headers
 from flows.trigger import NoTrigger
 from flows.webhook import create_app
 

@@ -1,34 +1,24 @@
 """sdcguard detection: runs inside every training rank (torch, httpx and the stdlib only).
 
 The few lines a training script adds are :class:`SDCGuard` and :class:`GuardConfig`
-(see ``docs/detection.md``). Every public name is imported on first use (PEP 562), so
-``import detection.alarm`` or ``detection.signing`` — all the control plane needs — never
-imports torch: a control-plane image has no torch at all.
+(see ``docs/guide.md``). Every public name is imported on first use (PEP 562), so
+``import detection.transport.alarm`` or ``detection.transport.signing`` — all the control plane
+needs — never imports torch: a control-plane image has no torch at all. The rooms beneath are
+mapped in ``docs/ARCHITECTURE.md``.
 
 Invariant: this module imports nothing at load time but the stdlib.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from detection._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from detection.alarm import Alarm, Layer, Phase
-    from detection.audit import AuditMode, ring_order, ring_partners, step_seed
-    from detection.faults import (
-        FaultInjectionError,
-        FaultInjector,
-        FaultKind,
-        FaultSpec,
-        FaultSpecError,
-    )
-    from detection.fingerprint import (
-        Fingerprint,
-        fingerprint_from_tensor,
-        fingerprint_on_device,
-        weight_fingerprint,
-    )
+    from detection.audit.ring import AuditMode, ring_order, ring_partners, step_seed
+    from detection.faults.injector import FaultInjector
+    from detection.faults.spec import FaultInjectionError, FaultKind, FaultSpec, FaultSpecError
     from detection.gate import (
         CheckpointGate,
         CheckpointNotVerifiedError,
@@ -38,7 +28,6 @@ if TYPE_CHECKING:
         GateError,
         StepOutcome,
     )
-    from detection.gradstats import StatsConfig, StatsConfigError
     from detection.guard import (
         GuardConfig,
         GuardConfigError,
@@ -48,48 +37,18 @@ if TYPE_CHECKING:
         SDCGuard,
     )
     from detection.identity import RankIdentity
-    from detection.sender import AlarmSender
-    from detection.vote import LoadVerificationError, VoteVerdict, majority_vote, verify_after_load
+    from detection.stepcheck.gradstats import StatsConfig, StatsConfigError
+    from detection.transport.alarm import Alarm, Layer, Phase
+    from detection.transport.sender import AlarmSender
+    from detection.weights.fingerprint import (
+        Fingerprint,
+        fingerprint_from_tensor,
+        fingerprint_on_device,
+        weight_fingerprint,
+    )
+    from detection.weights.load_check import LoadVerificationError, verify_after_load
+    from detection.weights.vote import VoteVerdict, majority_vote
 
-_LAZY: dict[str, str] = {
-    "Alarm": "detection.alarm",
-    "Layer": "detection.alarm",
-    "Phase": "detection.alarm",
-    "AuditMode": "detection.audit",
-    "ring_order": "detection.audit",
-    "ring_partners": "detection.audit",
-    "step_seed": "detection.audit",
-    "FaultInjectionError": "detection.faults",
-    "FaultInjector": "detection.faults",
-    "FaultKind": "detection.faults",
-    "FaultSpec": "detection.faults",
-    "FaultSpecError": "detection.faults",
-    "Fingerprint": "detection.fingerprint",
-    "fingerprint_from_tensor": "detection.fingerprint",
-    "fingerprint_on_device": "detection.fingerprint",
-    "weight_fingerprint": "detection.fingerprint",
-    "CheckpointGate": "detection.gate",
-    "CheckpointNotVerifiedError": "detection.gate",
-    "CheckpointRecord": "detection.gate",
-    "CheckpointStatus": "detection.gate",
-    "GateClosedError": "detection.gate",
-    "GateError": "detection.gate",
-    "StepOutcome": "detection.gate",
-    "StatsConfig": "detection.gradstats",
-    "StatsConfigError": "detection.gradstats",
-    "GuardConfig": "detection.guard",
-    "GuardConfigError": "detection.guard",
-    "GuardError": "detection.guard",
-    "GuardHaltedError": "detection.guard",
-    "GuardUsageError": "detection.guard",
-    "SDCGuard": "detection.guard",
-    "RankIdentity": "detection.identity",
-    "AlarmSender": "detection.sender",
-    "LoadVerificationError": "detection.vote",
-    "VoteVerdict": "detection.vote",
-    "majority_vote": "detection.vote",
-    "verify_after_load": "detection.vote",
-}
 
 __all__ = [
     "Alarm",
@@ -132,14 +91,45 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'detection' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this hook
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "Alarm": "transport.alarm",
+        "Layer": "transport.alarm",
+        "Phase": "transport.alarm",
+        "AuditMode": "audit.ring",
+        "ring_order": "audit.ring",
+        "ring_partners": "audit.ring",
+        "step_seed": "audit.ring",
+        "FaultInjectionError": "faults.spec",
+        "FaultInjector": "faults.injector",
+        "FaultKind": "faults.spec",
+        "FaultSpec": "faults.spec",
+        "FaultSpecError": "faults.spec",
+        "Fingerprint": "weights.fingerprint",
+        "fingerprint_from_tensor": "weights.fingerprint",
+        "fingerprint_on_device": "weights.fingerprint",
+        "weight_fingerprint": "weights.fingerprint",
+        "CheckpointGate": "gate",
+        "CheckpointNotVerifiedError": "gate",
+        "CheckpointRecord": "gate",
+        "CheckpointStatus": "gate",
+        "GateClosedError": "gate",
+        "GateError": "gate",
+        "StepOutcome": "gate",
+        "StatsConfig": "stepcheck.gradstats",
+        "StatsConfigError": "stepcheck.gradstats",
+        "GuardConfig": "guard",
+        "GuardConfigError": "guard",
+        "GuardError": "guard",
+        "GuardHaltedError": "guard",
+        "GuardUsageError": "guard",
+        "SDCGuard": "guard",
+        "RankIdentity": "identity",
+        "AlarmSender": "transport.sender",
+        "LoadVerificationError": "weights.load_check",
+        "VoteVerdict": "weights.vote",
+        "majority_vote": "weights.vote",
+        "verify_after_load": "weights.load_check",
+    },
+)

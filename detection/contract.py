@@ -11,7 +11,7 @@ start-up. Every item exists because an incident step fails without it:
 - ``SDCGUARD_CHECKPOINT_URI_PREFIX``: an ``s3://`` or ``file://`` URI the control plane can read
   (shared storage such as FSx for Lustre for ``file://``); checkpoints are recorded under it;
 - ``SDCGUARD_RESUME_FROM`` (set by the control plane on resume) and ``SDCGUARD_REPLAY_*`` (set
-  on a diagnostic replay, read by :mod:`detection.replay_mode`).
+  on a diagnostic replay, read by :mod:`detection.guard.trace_mode`).
 
 Enforced (:class:`ContractError`) when :func:`~detection.identity.strict_contract` holds —
 inside a Kubernetes pod or with ``SDCGUARD_CONTRACT=strict`` — and reported as warnings

@@ -28,9 +28,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from detection.alarm import Alarm
-from detection.audit import AuditMode
-from detection.fingerprint import Fingerprint
+from detection.audit.ring import AuditMode
+from detection.transport.alarm import Alarm
+from detection.weights.fingerprint import Fingerprint
 
 __all__ = [
     "CheckpointGate",
@@ -138,7 +138,8 @@ class CheckpointGate:
     pending; once closed, no record changes to ``verified`` until :meth:`reopen`.
 
     ``directory``: where checkpoints are written (a ``Path`` or a ``str``). ``sink``: where
-    provenance goes — normally the rank's :class:`~detection.sender.AlarmSender`, which posts
+    provenance goes — normally the rank's :class:`~detection.transport.sender.AlarmSender`, which
+    posts
     each checkpoint (``POST /v1/jobs/{job}/checkpoints``, with ``status: quarantined`` once the
     gate quarantined it) and each audit (``POST /v1/jobs/{job}/audits``) to the webhook, so the
     ledger draws the same conclusions; ``None`` keeps provenance local to this process.

@@ -29,7 +29,7 @@ def train(ctx: typer.Context) -> None:
     The options are parsed by ``detection.harness`` itself (argparse, stdlib only), so the same
     job runs as ``python -m detection.harness`` in a training image that has no CLI extras.
     """
-    from detection.forkserver import start_early
+    from detection.simulation.forkserver import start_early
 
     start_early(ctx.args)  # the ranks' imports run beside this process's own (torch)
     from detection.harness import main as harness_main
@@ -431,7 +431,7 @@ def spool_drain(
     next start also sends is recorded once. Exits 1 while anything is left undelivered."""
     import os
 
-    from detection.sender import drain_spool, find_spools
+    from detection.transport.sender import drain_spool, find_spools
 
     secret = os.environ.get("SDCGUARD_WEBHOOK_SECRET")
     if not secret:

@@ -32,7 +32,7 @@ from typing import Any, cast
 
 from kubernetes import client as k8s
 
-from detection.replay_mode import (
+from detection.guard.trace_mode import (
     END,
     PROBE_BEGIN,
     REPLAY_END_ENV,

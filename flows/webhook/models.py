@@ -33,7 +33,7 @@ from pydantic import (
 )
 
 from db import AuditKind
-from detection.alarm import Layer, Phase
+from detection.transport.alarm import Layer, Phase
 
 __all__ = [
     "LEDGER_ERRORS",

@@ -42,7 +42,7 @@ from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
-from detection.signing import (
+from detection.transport.signing import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,

@@ -15,7 +15,7 @@ import pytest
 
 from detection import native
 from detection.harness import TrainConfig, run
-from detection.workloads import launch
+from detection.simulation.workloads import launch
 
 
 def run_ranks(

@@ -106,8 +106,8 @@ def test_gpu_index(
 
 
 def test_the_gate_records_the_uri_the_control_plane_reads(tmp_path: Path) -> None:
-    from detection.fingerprint import Fingerprint
     from detection.gate import CheckpointGate, StepOutcome
+    from detection.weights.fingerprint import Fingerprint
 
     gate = CheckpointGate(tmp_path, audit_every=0, uri_prefix="s3://ckpts/llm-7b/")
     gate.observe(StepOutcome(step=1, ranks=(0,), fingerprint=Fingerprint(1, 2), vote_passed=True))

@@ -8,9 +8,7 @@ from typing import Any
 
 import pytest
 
-from detection.alarm import Alarm, Layer, Phase
-from detection.audit import AuditMode
-from detection.fingerprint import Fingerprint
+from detection.audit.ring import AuditMode
 from detection.gate import (
     CheckpointGate,
     CheckpointNotVerifiedError,
@@ -19,6 +17,8 @@ from detection.gate import (
     GateError,
     StepOutcome,
 )
+from detection.transport.alarm import Alarm, Layer, Phase
+from detection.weights.fingerprint import Fingerprint
 
 FP = Fingerprint(0x1234, 0x5678)
 RANKS = (0, 1, 2, 3)

@@ -5,7 +5,7 @@ On a GPU the profiler counts the synchronisations (``benchmarks/cuda_syncs.py``)
 inside backward (DDP's comm hook, where the per-step layer and the ABFT checks run). A
 synchronisation added there once cost two per bucket on CUDA and no CPU test saw it. The guard
 runs its device path here (the C kernels off, as on a GPU): with them a CPU job reads its row's
-scalars on the host by design (:mod:`detection.host_row`).
+scalars on the host by design (:mod:`detection.row.words`).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.host_reads import HostReads
 from detection import native
-from detection.audit import seed_rng, step_seed
+from detection.audit.ring import seed_rng, step_seed
 from detection.guard import GuardConfig, SDCGuard
-from detection.host_reads import HostReads
-from detection.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
 from tests.detection.conftest import run_ranks
 
 WARMUP = 3
@@ -97,7 +97,7 @@ def _plain_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> t
 
 def _budget(rank: int, world: int, model_name: str, config: dict[str, Any]) -> dict[str, Any]:
     # The budget is the device path's, the one a GPU runs. With the C kernels a CPU job builds
-    # its row from host numbers instead (detection.host_row), where a read is a memory load.
+    # its row from host numbers instead (detection.row.words), where a read is a memory load.
     native.set_enabled(False)
     if model_name == "builtin":
         cfg = ModelConfig()

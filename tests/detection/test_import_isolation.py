@@ -78,5 +78,9 @@ def test_every_detection_module_imports_with_torch_httpx_and_the_stdlib_only() -
     assert report["failed"] == {}, report["attempts"]
     assert report["loaded"] == []
     modules = set(report["modules"])
-    assert {"detection.fingerprint", "detection.sender", "detection.identity"} <= modules
-    assert {"detection.signing"} <= modules
+    assert {
+        "detection.weights.fingerprint",
+        "detection.transport.sender",
+        "detection.identity",
+    } <= modules
+    assert {"detection.transport.signing"} <= modules

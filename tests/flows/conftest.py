@@ -20,7 +20,7 @@ from sqlalchemy import func, select
 
 from db import Ledger
 from db.models import Base
-from detection.signing import DEFAULT_KEY_ID, signed_headers
+from detection.transport.signing import DEFAULT_KEY_ID, signed_headers
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app

@@ -31,7 +31,7 @@ from prefect.client.orchestration import get_client
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from db import CheckpointStatus, IncidentState, Ledger
-from detection.signing import signed_headers
+from detection.transport.signing import signed_headers
 from flows.approval import ApprovalDecision, submit_decision
 from flows.coordination import CoordinationSettings
 from flows.serve import run_in_thread

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from db import Ledger
-from detection.signing import SIGNATURE_HEADER, signed_headers
+from detection.transport.signing import SIGNATURE_HEADER, signed_headers
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app, dispatcher_of, signed

@@ -24,7 +24,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from db import Ledger
-from detection.signing import signed_headers
+from detection.transport.signing import signed_headers
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app
 from tests.flows.conftest import Webhook, row_counts

@@ -15,9 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from db import Ledger
-from detection.alarm import Alarm, Layer, Phase
 from detection.identity import RankIdentity
-from detection.sender import AlarmSender, drain_spool
+from detection.transport.alarm import Alarm, Layer, Phase
+from detection.transport.sender import AlarmSender, drain_spool
 from flows.cli import app
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger

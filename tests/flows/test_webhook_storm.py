@@ -29,7 +29,7 @@ import sqlalchemy as sa
 
 from db import Ledger
 from db.models import JobRow
-from detection.signing import signed_headers
+from detection.transport.signing import signed_headers
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import alarm_queue_of, create_app, dispatcher_of

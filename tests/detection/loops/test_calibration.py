@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from detection.calibration import NotReplayableError
+from detection.audit.calibration import NotReplayableError
 from detection.guard import GuardConfig, GuardConfigError, SDCGuard
 from tests.detection.conftest import run_ranks
 from tests.detection.loops._common import SEED, NodeIdentity, features, summary

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from db import Ledger
-from detection.signing import signed_headers
+from detection.transport.signing import signed_headers
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app

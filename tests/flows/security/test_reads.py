@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 import httpx
 
 from db import AlarmIn, Ledger
-from detection.signing import signed_headers
+from detection.transport.signing import signed_headers
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app

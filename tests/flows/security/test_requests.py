@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from detection.signing import NONCE_HEADER, signed_headers
+from detection.transport.signing import NONCE_HEADER, signed_headers
 from tests.flows.conftest import alarm_payload, ranks_payload, row_counts
 from tests.flows.security.conftest import KEY_A, KEY_A_NEW, KEY_B, PREFIX_A, Scoped
 

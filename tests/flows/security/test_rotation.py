@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from db import Ledger
-from detection.sender import AlarmSender
+from detection.transport.sender import AlarmSender
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app

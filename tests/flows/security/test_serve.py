@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from db import upgrade
-from detection.signing import signed_headers
+from detection.transport.signing import signed_headers
 from tests.fixtures_db import PostgresServer
 from tests.flows.conftest import WEBHOOK_SECRET, alarm_payload
 from tests.flows.test_webhook_serve import _free_port

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from db import Ledger
-from detection.signing import NONCE_HEADER, TIMESTAMP_HEADER
+from detection.transport.signing import NONCE_HEADER, TIMESTAMP_HEADER
 from flows.serve import run_in_thread
 from flows.trigger import RecordingTrigger
 from flows.webhook import create_app

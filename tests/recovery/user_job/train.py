@@ -25,7 +25,7 @@ from detection.contract import TrainingContract
 from detection.gate import CheckpointGate
 from detection.guard import GuardConfig, SDCGuard
 from detection.identity import RankIdentity
-from detection.sender import AlarmSender
+from detection.transport.sender import AlarmSender
 
 STEPS = int(os.environ.get("TRAIN_STEPS", "200"))
 STEP_PAUSE_S = float(os.environ.get("TRAIN_STEP_PAUSE_S", "0.05"))

@@ -1,0 +1,28 @@
+"""The guard: :class:`SDCGuard`, its configuration, and its per-step wiring.
+
+The guard keeps the training-loop protocol and wires every layer into a step: the comm hook
+(:mod:`~detection.guard.comm_hook`), the audit (:mod:`~detection.guard.audit_wiring`), the
+calibration (:mod:`~detection.guard.calibration_wiring`), the row and the decision every rank
+reaches from it (:mod:`~detection.guard.decision`, :mod:`~detection.guard.carry`), and the
+diagnostic trace mode of a diagnostic run (:mod:`~detection.guard.trace_mode`).
+"""
+
+from detection.guard.config import (
+    GuardConfig,
+    GuardConfigError,
+    GuardError,
+    GuardHaltedError,
+    GuardUsageError,
+)
+from detection.guard.counters import GuardCounters
+from detection.guard.sdcguard import SDCGuard
+
+__all__ = [
+    "GuardConfig",
+    "GuardConfigError",
+    "GuardCounters",
+    "GuardError",
+    "GuardHaltedError",
+    "GuardUsageError",
+    "SDCGuard",
+]

@@ -1,0 +1,448 @@
+"""One rank of ``sdcguard train``: a process that trains the built-in model under the guard.
+
+:func:`rank_entry` is the body of a rank process the launcher (:mod:`detection.simulation.launch`)
+starts: it joins the gloo group, :func:`train` runs the steps, and rank 0 returns the DESIGN
+report. Determinism contract (the recovery demo rests on it): model init is seeded by ``seed``;
+data and dropout are seeded per (seed, step, rank); every rank runs ``threads`` intra-op
+threads. So the same seed gives bitwise the same final fingerprint run after run, and resuming
+from the checkpoint of step ``s`` (the state after step ``s``) replays steps ``s+1…`` bitwise.
+
+SIGTERM ends a rank as a stop, not a failure: the step in progress unwinds and rank 0 still
+reports, as of its last complete step (:mod:`detection.simulation.termination`).
+"""
+
+# No ``from __future__ import annotations`` here: DDP compares a comm hook's annotations with the
+# real ``dist.GradBucket`` and ``Future[Tensor]`` objects when it is registered.
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from detection.audit.ring import AuditMode, seed_rng, step_seed
+from detection.gate import CheckpointGate, StepOutcome
+from detection.guard import GuardConfig, SDCGuard
+from detection.identity import RankIdentity
+from detection.simulation.config import (
+    KEY_ID_ENV,
+    SECRET_ENV,
+    HarnessConfigError,
+    TrainConfig,
+    injected_faults,
+)
+from detection.simulation.diagnostics import (
+    LocalGradientCapture,
+    Probe,
+    open_trace,
+    trace_step,
+    write_probe,
+)
+from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.simulation.termination import StopRequest, Terminated
+from detection.weights.fingerprint import Fingerprint, weight_fingerprint
+from detection.weights.load_check import verify_after_load
+from detection.weights.state import model_state_tensors
+
+__all__ = ["TERMINATED", "guard_config_of", "rank_entry", "train"]
+
+_log = logging.getLogger(__name__)
+TERMINATED = 128 + signal.SIGTERM
+_RANK_STOP = StopRequest()  # a rank is a process of its own: one stop request per process
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def guard_config_of(config: TrainConfig) -> GuardConfig:
+    """The guard's configuration for this job, the same on every rank."""
+    return GuardConfig(
+        audit_every=config.audit_every,
+        audit_mode=AuditMode(config.audit_mode),
+        seed=config.seed,
+        halt_on_alarm=config.halt_on_alarm,
+        inject=injected_faults(config),
+        abft=config.abft,
+        skip_update_on_alarm=config.skip_update_on_alarm,
+        defer_decision=config.defer_decision,
+    )
+
+
+def rank_entry(
+    rank: int, config: TrainConfig, port: int, result_path: str, error_path: str, secret: str | None
+) -> None:
+    """Body of a rank process: exits 0, 143 on SIGTERM, 1 on any error (written for the
+    launcher to quote)."""
+    signal.signal(signal.SIGTERM, _RANK_STOP.on_sigterm)
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(config.threads)
+    code = 0
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, config.world_size, False, timeout=timedelta(seconds=60)
+        )
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=config.world_size,
+            timeout=timedelta(seconds=120),
+        )
+        try:
+            report = train(rank, config, secret)
+        finally:
+            with contextlib.suppress(Exception):  # peers may be gone already when stopped
+                dist.destroy_process_group()
+        if "stopped_after_step" in report:
+            code = TERMINATED  # rank 0 wrote its report itself: the launcher is gone
+        elif rank == 0:
+            Path(result_path).write_text(json.dumps(report))
+    except Terminated:
+        code = TERMINATED
+    except Exception as err:
+        if _RANK_STOP.settle():  # the peers, stopped first, broke a collective: still a stop
+            code = TERMINATED
+        else:
+            _log.exception("rank %d failed", rank, extra={"rank": rank})
+            Path(error_path).write_text(f"{type(err).__name__}: {err}")
+            code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@dataclass
+class _Job:
+    """What one rank trains with, set up once before the first step."""
+
+    rank: int
+    config: TrainConfig
+    nodes: list[str]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    ddp: DistributedDataParallel
+    microbatch: Callable[[int, int], Batch]
+    start: int
+    capture: LocalGradientCapture | None
+    sender: Any
+    gate: CheckpointGate | None
+    guard: SDCGuard | None
+    trace: IO[str] | None = None
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return {"job": self.config.job, "rank": self.rank, "node": self.nodes[self.rank]}
+
+
+@dataclass
+class _Progress:
+    """How far the loop got: step times, the last step whose update finished, and whether the
+    loop ended on a stop."""
+
+    durations: list[float] = field(default_factory=list)
+    completed: int | None = None
+    completed_fp: Fingerprint | None = None
+    terminating: bool = False
+
+
+def train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]:
+    """Train this rank's steps and return the report (rank 0 also writes it)."""
+    job = _set_up(rank, config, secret)
+    progress = _Progress()
+    job.trace = open_trace(config, rank)
+    try:
+        for step in range(job.start, config.steps):
+            _RANK_STOP.check()
+            if not _step(job, step, progress):
+                break
+        # Every step is done: a stop arriving now (the incident flow stops training right after
+        # the alarm) must not cost the report, so the little that is left runs to its end.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except BaseException:
+        # Once a stop was asked for, whatever ends the loop is the stop: the signal itself, or
+        # a collective failing because the peers already left. The spool keeps what is not
+        # sent (the stopper will not wait); only rank 0 reports. The stop may still be pending
+        # (the peers left while this rank waited in a collective): settle it first.
+        if not _RANK_STOP.settle():
+            raise
+        progress.terminating = True
+        if rank != 0:
+            raise Terminated() from None
+    finally:
+        _close(job, progress.terminating)
+    report = _report(job, progress)
+    if rank == 0:
+        # Written here, before the webhook flush, not by the launcher: a launcher that is
+        # stopped meanwhile would lose it.
+        _write_report(config, report)
+    if job.sender is not None and not progress.terminating:
+        job.sender.close(timeout_s=10.0)  # what is not delivered by then stays spooled
+    return report
+
+
+def _set_up(rank: int, config: TrainConfig, secret: str | None) -> _Job:
+    nodes = config.node_names()
+    cfg = ModelConfig()
+    device = torch.device("cpu")
+    torch.manual_seed(config.seed)
+    model = TinyTransformer(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    start, expected = _resume(config, model, optimizer)
+    ddp = DistributedDataParallel(model)
+    # DDP rebuilds its gradient buckets once, after the first backward, in the order gradients
+    # became ready; gloo's ring sums each element in an order that depends on its position in the
+    # bucket. A resumed run's first step would reduce with the initial layout and differ in the
+    # last bits from the run it continues, so fix the layout before the first step (the same
+    # call DDP's Join support makes): every step of every run then reduces with one layout.
+    ddp.reducer._push_all_rebuilt_params()
+    if expected is not None:
+        verify_after_load(model_state_tensors(model), expected)
+        extra = {"job": config.job, "rank": rank, "node": nodes[rank]}
+        _log.info("resumed from %s at step %d", config.resume_from, start, extra=extra)
+
+    def microbatch(step: int, r: int) -> Batch:
+        return make_batch(cfg, config.seed, step, r, device)
+
+    capture = LocalGradientCapture(list(model.parameters())) if config.trace is not None else None
+    sender = None if config.plain else _sender(config, rank, secret)
+    gate = None
+    if rank == 0:
+        gate = CheckpointGate(
+            config.checkpoint_dir,
+            audit_every=config.audit_every,
+            nodes=nodes,
+            sink=sender,
+            job_id=config.job,
+        )
+    job = _Job(
+        rank, config, nodes, model, optimizer, ddp, microbatch, start, capture, sender, gate, None
+    )
+    job.guard = _guard(job)
+    return job
+
+
+def _resume(
+    config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[int, str | None]:
+    """The first step to run and the fingerprint the loaded weights must have (``None``: a
+    fresh start)."""
+    if config.resume_from is None:
+        return 0, None
+    state = torch.load(config.resume_from, map_location="cpu", weights_only=True)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"]) + 1, str(state["fingerprint"])
+
+
+def _guard(job: _Job) -> SDCGuard | None:
+    """The guard of this rank (``None`` for ``--plain``, which registers the trace's hook
+    on plain DDP instead)."""
+    if job.config.plain:
+        if job.capture is not None:
+            job.ddp.register_comm_hook(None, job.capture.hook)
+        return None
+    nodes, rank = job.nodes, job.rank
+    local_rank = sum(1 for r in range(rank) if nodes[r] == nodes[rank])
+    return SDCGuard(
+        job.ddp,
+        job.optimizer,
+        microbatch=job.microbatch,
+        loss_fn=loss_fn,
+        config=guard_config_of(job.config),
+        identity=RankIdentity.detect(rank, local_rank, job.config.world_size, node=nodes[rank]),
+        sender=job.sender,
+        gate=job.gate,
+        job_id=job.config.job,
+        comm_hook=job.capture.hook if job.capture is not None else None,
+    )
+
+
+def _step(job: _Job, step: int, progress: _Progress) -> bool:
+    """Run one step and what follows it (probe, trace, checkpoint); ``False`` once the guard
+    halted the job."""
+    config, guard = job.config, job.guard
+    probe = Probe(job.model) if step == config.probe_step else None
+    began = time.perf_counter()
+    checkpoint_due = bool(config.checkpoint_every) and step % config.checkpoint_every == 0
+    loss, outcome = _train_step(job, step, flush=checkpoint_due)
+    progress.durations.append(time.perf_counter() - began)
+    if probe is not None:
+        probe.close()
+        write_probe(config, job.rank, probe)
+    if job.trace is not None or job.capture is not None:
+        state = model_state_tensors(job.model)
+        trace_step(job.trace, step, loss, job.capture, state, outcome)
+    # After its trace line: a stopped run's report matches its trace. A deferred decision
+    # reports the last step decided, with that step's fingerprint.
+    progress.completed = step if outcome is None else outcome.step
+    progress.completed_fp = outcome.fingerprint if outcome is not None else None
+    if job.gate is not None and checkpoint_due:
+        _checkpoint(job, step, outcome)
+    if guard is not None and guard.halted:
+        _log.warning("halted after the alarm at step %d", step, extra=job.extra)
+        if config.hold_after_halt_s > 0:
+            _hold(config.hold_after_halt_s, job.extra)
+        return False
+    return True
+
+
+def _train_step(job: _Job, step: int, *, flush: bool) -> tuple[torch.Tensor, StepOutcome | None]:
+    """One step of the training loop a user writes: under the guard, or as plain DDP."""
+    guard = job.guard
+    if guard is None:
+        seed_rng(step_seed(job.config.seed, step, job.rank), torch.device("cpu"))
+        job.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(job.ddp, job.microbatch(step, job.rank))
+        loss.backward()
+        job.optimizer.step()
+        return loss, None
+    with guard.step(step):
+        job.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(job.ddp, job.microbatch(step, job.rank))
+        guard.backward(loss)
+        job.optimizer.step()
+    if flush or job.trace is not None or job.capture is not None:
+        guard.flush()  # these record this step's outcome (deferred: decide it now)
+    return loss, guard.last_outcome
+
+
+def _checkpoint(job: _Job, step: int, outcome: StepOutcome | None) -> None:
+    assert job.gate is not None
+    if outcome is None:  # plain DDP: a record with no evidence stays pending
+        outcome = StepOutcome(
+            step=step,
+            ranks=tuple(range(job.config.world_size)),
+            fingerprint=weight_fingerprint(model_state_tensors(job.model)),
+            vote_passed=False,
+        )
+        job.gate.observe(outcome)
+    model, optimizer, fingerprint, config = (
+        job.model,
+        job.optimizer,
+        outcome.fingerprint,
+        job.config,
+    )
+
+    def writer(path: Path) -> None:
+        torch.save(
+            {
+                "step": step,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "fingerprint": fingerprint.hex(),
+                "seed": config.seed,
+                "world_size": config.world_size,
+            },
+            path,
+        )
+
+    job.gate.write(step, writer)
+
+
+def _close(job: _Job, terminating: bool) -> None:
+    if job.trace is not None:
+        job.trace.close()
+    with _quiet_if(terminating):  # peers may be gone: cleanup must not hide the report
+        if job.guard is not None:
+            job.guard.close()
+        if job.gate is not None:
+            job.gate.flush()
+
+
+def _report(job: _Job, progress: _Progress) -> dict[str, Any]:
+    """The DESIGN report. A stopped run reports the weights after its last complete step: the
+    signal may have landed inside an update, so the live tensors are not a state any step
+    produced."""
+    if progress.terminating and progress.completed_fp is not None:
+        final = progress.completed_fp
+    else:
+        final = weight_fingerprint(model_state_tensors(job.model))
+    alarms = job.guard.alarms if job.guard is not None else []
+    report: dict[str, Any] = {
+        "world_size": job.config.world_size,
+        "steps": job.config.steps,
+        "nodes": {str(r): n for r, n in enumerate(job.nodes)},
+        "alarms": [a.to_report() for a in alarms],
+        "checkpoints": [r.to_report() for r in job.gate.records] if job.gate is not None else [],
+        "final_fingerprint": final.hex(),
+        "step_ms": _step_ms(progress.durations),
+    }
+    if progress.terminating:
+        # Stopped (the incident flow stops training): rank 0 still reports what the job did up
+        # to its last complete step — its alarms and checkpoints are the incident's evidence.
+        report["stopped_after_step"] = progress.completed
+    return report
+
+
+def _sender(config: TrainConfig, rank: int, secret: str | None) -> Any:
+    if config.webhook is None:
+        return None
+    if not secret:
+        raise HarnessConfigError(f"--webhook needs the secret in {SECRET_ENV}")
+    from detection.transport.sender import AlarmSender  # imported only when asked: it needs httpx
+
+    base = (
+        config.checkpoint_dir / ".spool"
+        if config.checkpoint_dir is not None
+        else Path(tempfile.gettempdir()) / "sdcguard-spool" / config.job
+    )
+    spool = base / f"rank-{rank}"
+    spool.mkdir(parents=True, exist_ok=True)
+    key_id = os.environ.get(KEY_ID_ENV) or "default"
+    return AlarmSender(config.webhook, secret, config.job, spool, key_id=key_id)
+
+
+def _hold(seconds: float, extra: dict[str, Any]) -> None:
+    """Stay alive, computing nothing, until SIGTERM (which unwinds as a stop: the report is
+    still written) or ``seconds`` pass."""
+    _log.warning("halted: holding up to %.0f s for the job's stop", seconds, extra=extra)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.5))
+    _log.warning("no stop within %.0f s: ending the halted job", seconds, extra=extra)
+
+
+@contextlib.contextmanager
+def _quiet_if(stopping: bool) -> Iterator[None]:
+    try:
+        yield
+    except Exception:
+        if not stopping:
+            raise
+        _log.warning("cleanup after the stop failed", exc_info=True)
+
+
+def _step_ms(durations: Sequence[float]) -> dict[str, float]:
+    if not durations:
+        return {"median": 0.0, "p90": 0.0}
+    ordered = sorted(d * 1000.0 for d in durations)
+    p90 = ordered[min(len(ordered) - 1, max(0, round(0.9 * len(ordered)) - 1))]
+    return {"median": round(statistics.median(ordered), 3), "p90": round(p90, 3)}
+
+
+def _write_report(config: TrainConfig, report: dict[str, Any]) -> None:
+    if config.report is None:
+        return
+    config.report.parent.mkdir(parents=True, exist_ok=True)
+    temp = config.report.with_name(config.report.name + ".tmp")
+    temp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(temp, config.report)

@@ -1,0 +1,386 @@
+"""The per-layer checksums of :mod:`detection.stepcheck.abft`: one class per kind of layer.
+
+Each :class:`LayerCheck` reads its module's actual output in a forward hook (and may note a
+forward ratio there), keeps what the backward identity needs, and on the output's gradient adds
+to the expected value of a reduction of each of its parameters' local gradients. The comm hook
+then compares that reduction of the bucket's gradient with the expectation
+(:meth:`detection.stepcheck.abft.LinearChecksums.on_local_gradient`).
+
+Kinds and identities (``M`` rows: every position of the batch; ``dy`` the output's gradient):
+
+* ``nn.Linear`` — forward ``y.sum(-1) = x @ W.sum(0) + b.sum()``; gradient ``dW.sum(0) =
+  x.T @ dy.sum(-1)``, ``db.sum() = dy.sum()`` (module docstring of :mod:`detection.stepcheck.abft`);
+* ``nn.Embedding`` — forward ``y.sum(-1) = W.sum(1)[idx]`` (a gather: only a corrupted copy
+  moves it); gradient ``dW.sum(0) = dy.sum(0)`` over the positions not at ``padding_idx``;
+* ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, ``nn.BatchNorm*`` (affine) — gradient
+  per channel ``dw = Σ dy ⊙ x̂`` and ``db = Σ dy`` (``w``, ``b``: the affine weight and bias),
+  compared element by element, with ``x̂`` recomputed from the saved input by the same
+  functional normalisation without affine (batch statistics in training mode, the running
+  ones in eval). The parameters hold a few numbers per channel, so the check is a
+  recomputation, as cheap as a checksum. No forward check: one would cost the normalisation.
+
+Tolerance of a gradient comparison: ``|got - expected| / (u · √M · Σ|terms|)``, with ``u`` the
+unit roundoff of the gradient's dtype, the sum of the terms' magnitudes taken in the same pass;
+for a normalisation weight the magnitude also carries ``Σ|dy|``, which bounds the rounding of
+the recomputed ``x̂`` (``|Δx̂| ≲ u``). A layer kind not listed (or an ``Embedding`` with
+``max_norm``, ``sparse`` or ``scale_grad_by_freq``, a ``SyncBatchNorm``) is not checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from detection import native
+
+__all__ = ["TINY", "Expectation", "LayerCheck", "make_checks", "unit"]
+
+TINY = 1e-30
+_STOCK_BN_FORWARD = nn.BatchNorm1d.forward  # the _BatchNorm forward, channel at dim 1
+
+
+def _full_precision(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """The checksums' own products in float32 even inside the loop's autocast (whose lists
+    hold ``matmul``, and on CUDA ``addmv`` and ``mv``): an expectation rounded to bf16 would
+    add its own rounding to the residual it is meant to bound."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def unit(dtype: torch.dtype) -> float:
+    """Unit roundoff of ``dtype`` (float32's for a non-float)."""
+    return float(torch.finfo(dtype).eps) / 2.0 if dtype.is_floating_point else 2.0**-24
+
+
+class _Owner(Protocol):
+    @property
+    def is_open(self) -> bool: ...
+
+    def note(self, index: int, column: int, ratio: torch.Tensor) -> None: ...
+
+
+@dataclass
+class Expectation:
+    """The expected reduction of one parameter's local gradient, summed over the step's
+    backward passes, with the magnitude of its terms and the rounding unit."""
+
+    value: torch.Tensor
+    magnitude: torch.Tensor
+    rows: int
+    u: float
+
+    def add(self, value: torch.Tensor, magnitude: torch.Tensor, rows: int, u: float) -> None:
+        self.value = self.value + value
+        self.magnitude = self.magnitude + magnitude
+        self.rows += rows
+        self.u = max(self.u, u)
+
+    def scale(self) -> torch.Tensor:
+        return self.magnitude * (self.u * math.sqrt(max(self.rows, 1)))
+
+
+class LayerCheck:
+    """One checked module. Subclasses implement :meth:`forward` (returns what the backward
+    needs, or ``None`` to leave this call unchecked), :meth:`backward` and :meth:`reduce`."""
+
+    def __init__(self, index: int, name: str, module: nn.Module, shared: bool, owner: _Owner):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.shared = shared  # a parameter also used by another module: no gradient check
+        self.owner = owner
+        self._expected: dict[bool, Expectation] = {}
+        self._unchecked = False  # a call this step could not be followed: skip the gradient
+        self.begin()
+
+    def install(self) -> Any:
+        return self.module.register_forward_hook(self._hook)
+
+    def begin(self) -> None:
+        self._expected = {}
+        self._unchecked = False
+
+    def checked_parameters(self) -> Iterator[tuple[torch.Tensor, bool]]:
+        if self.shared:
+            return
+        for attr, is_weight in (("weight", True), ("bias", False)):
+            param = getattr(self.module, attr, None)
+            if isinstance(param, torch.Tensor):
+                yield param, is_weight
+
+    def _hook(self, _module: nn.Module, inputs: Any, output: Any) -> None:
+        if not self.owner.is_open or not isinstance(output, torch.Tensor):
+            return
+        if output.numel() == 0:  # an empty batch adds nothing to either identity
+            return
+        with torch.no_grad(), _full_precision(output.device.type):
+            saved = self.forward(inputs, output)
+        if not output.requires_grad or self.shared:
+            return
+        if saved is None:
+            self._unchecked = True
+            return
+        output.register_hook(self._grad_hook(saved))
+
+    def _grad_hook(self, saved: Any) -> Callable[[torch.Tensor], None]:
+        def hook(dy: torch.Tensor) -> None:
+            if self.owner.is_open:
+                with torch.no_grad(), _full_precision(dy.device.type):
+                    self.backward(saved, dy.detach())
+
+        return hook
+
+    def note_forward(self, ratio: torch.Tensor) -> None:
+        self.owner.note(self.index, 0, ratio)
+
+    def expect(
+        self,
+        is_weight: bool,
+        value: torch.Tensor,
+        magnitude: torch.Tensor,
+        rows: int,
+        dtype: torch.dtype,
+    ) -> None:
+        current = self._expected.get(is_weight)
+        if current is None:
+            self._expected[is_weight] = Expectation(value, magnitude, rows, unit(dtype))
+        else:
+            current.add(value, magnitude, rows, unit(dtype))
+
+    def expected(self, is_weight: bool) -> Expectation | None:
+        return None if self._unchecked else self._expected.get(is_weight)
+
+    def forward(self, inputs: Any, output: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def backward(self, saved: Any, dy: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LinearCheck(LayerCheck):
+    """``nn.Linear``: forward row checksum and weight/bias gradient checksums."""
+
+    def begin(self) -> None:
+        super().begin()
+        # once per step (the weights change only at the update): W.sum(0), the bound
+        # √N·‖W‖_F of ‖|W|.sum(0)‖₂, b.sum() and |b|.sum(); or the native kernel's copy
+        self._cols: tuple[torch.Tensor, torch.Tensor, Any, Any] | None = None
+        self._sums: torch.Tensor | None = None
+
+    def _weight_sums(self) -> tuple[torch.Tensor, torch.Tensor, Any, Any] | torch.Tensor:
+        """``(W.sum(0), √N·‖W‖_F, b.sum(), |b|.sum())``, once a step; on a CPU the native
+        kernel's ``K + 3`` floats holding the same (:func:`detection.native.col_sums`)."""
+        if self._sums is not None:
+            return self._sums
+        if self._cols is None:
+            module = self.module
+            assert isinstance(module, nn.Linear)
+            w = module.weight.detach().float()
+            # Σ_n |W_nk| ≤ √N·‖W_:k‖₂ (Cauchy-Schwarz), so ‖|W|.sum(0)‖₂ ≤ √N·‖W‖_F: one
+            # contiguous norm instead of an |W| temporary and a column sum (a quarter looser
+            # for a dense W, whose τ calibration absorbs it); on a CPU all in one pass.
+            root_n = math.sqrt(w.shape[0])
+            b = None if module.bias is None else module.bias.detach().float()
+            if native.abft_ok(w) and (b is None or native.abft_ok(b)):
+                self._sums = native.col_sums(w, b)
+                return self._sums
+            if b is None:
+                self._cols = (w.sum(0), torch.linalg.vector_norm(w) * root_n, 0.0, 0.0)
+            else:
+                col, bound = w.sum(0), torch.linalg.vector_norm(w) * root_n
+                self._cols = (col, bound, b.sum(), b.abs().sum())
+        return self._cols
+
+    def forward(self, inputs: Any, output: torch.Tensor) -> Any:
+        x = inputs[0]
+        k = x.shape[-1]
+        x2 = x.detach().reshape(-1, k)
+        sums = self._weight_sums()
+        xf = x2.float()
+        y2 = output.detach().reshape(-1, output.shape[-1]).float()
+        c = unit(output.dtype) * math.sqrt(k)
+        if isinstance(sums, torch.Tensor):
+            if native.abft_ok(xf, y2):
+                # on a CPU: one pass over x and y, the same ratio; nothing read back to Python
+                c_bound = c * math.sqrt(y2.shape[1])
+                ratio, x_frobenius = native.linear_forward(xf, y2, sums, c_bound, c, TINY)
+                self.note_forward(ratio)
+                return x2, x_frobenius
+            root_n = math.sqrt(y2.shape[1])
+            col, col_bound, b_sum, b_abs = sums[:k], sums[k] * root_n, sums[k + 1], sums[k + 2]
+        else:
+            col, col_bound, b_sum, b_abs = sums
+        # y.sum(-1) - x @ W.sum(0) in one matrix-vector call (not on autocast's list: float32)
+        residual = torch.addmv(y2.sum(-1), xf, col, alpha=-1.0)
+        if isinstance(b_sum, torch.Tensor):
+            residual = residual.sub_(b_sum)
+        row_norms = torch.linalg.vector_norm(xf, dim=-1)
+        # per row (‖x_row‖₂·√N‖W‖_F + |b|.sum())·u·√K: a bound of the products' magnitudes
+        scale = (row_norms * (col_bound * c)).add_(b_abs * c + TINY)
+        self.note_forward(residual.abs_().div_(scale).amax())
+        # ‖x‖_F = ‖(‖x_i‖₂)_i‖₂: the backward's bound from the row norms, not a second read of x
+        return x2, torch.linalg.vector_norm(row_norms)
+
+    def backward(self, saved: tuple[torch.Tensor, torch.Tensor], dy: torch.Tensor) -> None:
+        x2, x_frobenius = saved
+        xf = x2.float()
+        d2 = dy.reshape(-1, dy.shape[-1]).float()
+        rows, n = d2.shape
+        # One whole-tensor norm bounds both: ‖x‖_F·√N·‖dy‖_F ≥ every |x|.T @ |dy|.sum(-1)
+        # (‖dy_row‖₁ ≤ √N·‖dy_row‖₂, then Cauchy-Schwarz over the rows), and
+        # √(N·M)·‖dy‖_F ≥ ‖dy‖₁ for the bias. On a CPU the row sums and the norm are one pass;
+        # elsewhere a dot product of the contiguous gradient with itself is the one-pass sum of
+        # squares (``vector_norm`` takes twice as long).
+        if native.abft_ok(d2):
+            r, dy_norm = native.row_sums(d2)
+        else:
+            r = d2.sum(-1)
+            flat = d2.reshape(-1)
+            dy_norm = torch.dot(flat, flat).sqrt_() if flat.is_contiguous() else flat.norm()
+        self.expect(True, torch.mv(xf.t(), r), x_frobenius * dy_norm * math.sqrt(n), rows, dy.dtype)
+        self.expect(False, r.sum(), dy_norm * math.sqrt(n * rows), rows, dy.dtype)
+
+    def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
+        if not is_weight:
+            return gradient.sum()
+        if gradient.dim() == 2 and native.abft_ok(gradient):
+            return native.col_sums(gradient)[: gradient.shape[1]]
+        return gradient.sum(0)
+
+
+class EmbeddingCheck(LayerCheck):
+    """``nn.Embedding``: forward row sums of the gathered rows, gradient column sums."""
+
+    def begin(self) -> None:
+        super().begin()
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # W.sum(1), √d·‖W_v‖₂
+
+    def forward(self, inputs: Any, output: torch.Tensor) -> Any:
+        index = inputs[0].reshape(-1)
+        d = output.shape[-1]
+        module = self.module
+        assert isinstance(module, nn.Embedding)
+        if self._rows is None:
+            w = module.weight.detach().float()
+            # Σ_d |W_vd| ≤ √d·‖W_v‖₂: a row norm, no |W| temporary (once per step)
+            self._rows = (w.sum(1), torch.linalg.vector_norm(w, dim=1) * math.sqrt(d))
+        rows, rows_abs = self._rows
+        y2 = output.detach().reshape(-1, d).float()
+        residual = (y2.sum(-1) - rows[index]).abs()
+        scale = rows_abs[index] * (unit(output.dtype) * math.sqrt(d)) + TINY
+        self.note_forward((residual / scale).amax())
+        return index
+
+    def backward(self, saved: torch.Tensor, dy: torch.Tensor) -> None:
+        d2 = dy.reshape(-1, dy.shape[-1]).float()
+        padding = getattr(self.module, "padding_idx", None)
+        if padding is not None:
+            d2 = d2 * saved.ne(padding).unsqueeze(1)
+        self.expect(True, d2.sum(0), d2.abs().sum(0), d2.shape[0], dy.dtype)
+
+    def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
+        return gradient.sum(0)
+
+
+class NormCheck(LayerCheck):
+    """Affine normalisations: ``dw = Σ dy ⊙ x̂`` and ``db = Σ dy`` per channel."""
+
+    def forward(self, inputs: Any, output: torch.Tensor) -> Any:
+        x = inputs[0].detach()
+        m = self.module
+        if isinstance(m, nn.LayerNorm | nn.RMSNorm):
+            return (x, -1, True)
+        channels = m.num_channels if isinstance(m, nn.GroupNorm) else m.num_features
+        if isinstance(m, nn.GroupNorm) or type(m).forward is _STOCK_BN_FORWARD:
+            dim = 1
+        else:  # a subclass that moves the channels (tokens x features): the one matching dim
+            dims = [i for i, n in enumerate(x.shape) if n == channels]
+            if len(dims) != 1:
+                return None
+            dim = dims[0]
+        if x.dim() < 2 or x.shape[dim] != channels:
+            return None
+        return (x, dim, bool(m.training))
+
+    def _normalised(self, x: torch.Tensor, dim: int, training: bool) -> torch.Tensor:
+        m = self.module
+        xf = x.float()
+        if isinstance(m, nn.LayerNorm):
+            return F.layer_norm(xf, m.normalized_shape, None, None, m.eps)
+        if isinstance(m, nn.RMSNorm):
+            return F.rms_norm(xf, m.normalized_shape, None, m.eps)
+        xm = xf.movedim(dim, 1)
+        if isinstance(m, nn.GroupNorm):
+            out = F.group_norm(xm, m.num_groups, None, None, m.eps)
+            return out.movedim(1, dim)
+        assert isinstance(m, nn.modules.batchnorm._BatchNorm)
+        if training or m.running_mean is None or m.running_var is None:
+            out = F.batch_norm(xm, None, None, None, None, True, 0.0, m.eps)
+        else:
+            rm, rv = m.running_mean.float(), m.running_var.float()
+            out = F.batch_norm(xm, rm, rv, None, None, False, 0.0, m.eps)
+        return out.movedim(1, dim)
+
+    def backward(self, saved: tuple[torch.Tensor, int, bool], dy: torch.Tensor) -> None:
+        x, dim, training = saved
+        weight = self.module.weight
+        assert isinstance(weight, torch.Tensor)
+        width = weight.numel()
+        xh = self._normalised(x, dim, training)
+        if dim != -1:
+            xh, dy = xh.movedim(dim, -1), dy.movedim(dim, -1)
+        d2 = dy.reshape(-1, width).float()
+        xh2 = xh.reshape(-1, width)
+        if native.abft_ok(d2, xh2):  # on a CPU: the four channel sums in one pass
+            sums = native.norm_grad(d2, xh2)
+            self.expect(True, sums[0], sums[1], d2.shape[0], dy.dtype)
+            self.expect(False, sums[2], sums[3], d2.shape[0], dy.dtype)
+            return
+        p = d2 * xh2
+        mag_b = d2.abs().sum(0)
+        self.expect(True, p.sum(0), p.abs().sum(0) + mag_b, d2.shape[0], dy.dtype)
+        self.expect(False, d2.sum(0), mag_b, d2.shape[0], dy.dtype)
+
+    def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
+        return gradient.reshape(-1)
+
+
+def _kind(module: nn.Module) -> type[LayerCheck] | None:
+    if isinstance(module, nn.Linear):
+        return LinearCheck
+    if isinstance(module, nn.Embedding):
+        plain = module.max_norm is None and not module.sparse and not module.scale_grad_by_freq
+        return EmbeddingCheck if plain else None
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm | nn.GroupNorm):
+        return NormCheck if isinstance(getattr(module, "weight", None), torch.Tensor) else None
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
+        module, nn.SyncBatchNorm
+    ):
+        return NormCheck if module.affine else None
+    return None
+
+
+def make_checks(module: nn.Module, owner: _Owner) -> list[LayerCheck]:
+    """One check per checkable submodule of ``module``, in ``named_modules`` order."""
+    counts: dict[int, int] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        counts[id(p)] = counts.get(id(p), 0) + 1
+    checks: list[LayerCheck] = []
+    for name, sub in module.named_modules():
+        kind = _kind(sub)
+        if kind is None:
+            continue
+        shared = any(counts.get(id(p), 0) > 1 for p in sub.parameters(recurse=False))
+        checks.append(kind(len(checks), name, sub, shared, owner))
+    return checks
