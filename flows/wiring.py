@@ -13,7 +13,6 @@ threads, and every one of them must see the same backends.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from db import Ledger
+from detection.simulation import TrainArgsError, known_train_args
 from flows.recovery_settings import (
     AwsSettings,
     BackendMode,
@@ -271,18 +271,11 @@ def _gpus_of(template: Any) -> int:
 
 def plan_from_harness_args(args: Sequence[str]) -> ReplayPlan:
     """The replay inputs from ``sdcguard train`` arguments (the options DESIGN fixes)."""
-    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    parser.add_argument("--world-size", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--audit-mode", default="loss")
-    parser.add_argument("--inject", action="append", default=[])
-    parser.add_argument("--trace", default=None)
     try:
-        known, _ = parser.parse_known_args(list(args))
-    except argparse.ArgumentError as err:
+        known = known_train_args(args)
+    except TrainArgsError as err:
         raise PermanentError("replay", "plan", "harness arguments", str(err)) from err
-    trace = Path(known.trace) if known.trace else None
+    trace = known.trace
     reference = tuple(load_trace(trace)) if trace is not None and trace.is_file() else None
     spec = JobSpec(
         world_size=known.world_size,
