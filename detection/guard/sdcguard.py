@@ -13,7 +13,7 @@
         if guard.halted:
             break
 
-(``docs/detection.md`` has the recipes for autocast, GradScaler, accumulation, compiled
+(``docs/detection-design.md`` has the recipes for autocast, GradScaler, accumulation, compiled
 models, several optimizers and ordinary data loaders.)
 
 What runs where, per step:
@@ -64,6 +64,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from detection.audit.calibration import NotReplayableError
 from detection.audit.recompute import AutocastState, unwrap_ddp
@@ -176,18 +177,47 @@ class SDCGuard:
         comm_hook: CommHook | None = None,
         comm_state: Any = None,
     ) -> None:
+        ddp, recompute_module, hooked = self._adopt(model)
+        self.config = config or GuardConfig()
+        self._take_loop(ddp, optimizer, loss_fn, microbatch)
+        self._take_outlets(sender, gate, job_id)
+        self._take_parameters(ddp)
+        identities = self._place(identity)
+        self._start_state(ddp)
+        self._wire(ddp, comm_hook, comm_state, recompute_module)
+        self._hook_into(hooked, identities)
+
+    @property
+    def replaying(self) -> TraceMode | None:
+        """The former name of :attr:`trace_mode` (``None`` outside a diagnostic run), which
+        training scripts written against it still read."""
+        return self.trace_mode
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def _adopt(self, model: nn.Module) -> tuple[DistributedDataParallel, nn.Module, nn.Module]:
+        """The DDP module inside ``model``, the module a recomputation runs, and the module
+        whose forward hooks see each micro-batch."""
         unwrapped = unwrap_ddp(model)
         if unwrapped is None:
             raise GuardConfigError(
                 "SDCGuard needs the DistributedDataParallel-wrapped model (or torch.compile of it)"
             )
-        ddp, replay_module, hooked, self.compiled_outer = unwrapped
+        ddp, recompute_module, hooked, self.compiled_outer = unwrapped
         if getattr(ddp, "_comm_hooks", None):
             raise GuardConfigError(
                 "the model already has a comm hook; pass it as SDCGuard(comm_hook=..., "
                 "comm_state=...) so the guard can wrap it"
             )
-        self.config = config or GuardConfig()
+        return ddp, recompute_module, hooked
+
+    def _take_loop(
+        self,
+        ddp: DistributedDataParallel,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+        microbatch: Callable[..., Any] | None,
+    ) -> None:
+        """The training loop's parts: model, optimizers, loss, micro-batches, process group."""
         self.model = ddp
         self.module: nn.Module = ddp.module
         self.optimizers = (
@@ -200,6 +230,12 @@ class SDCGuard:
         self.loss_fn = loss_fn
         self.group: dist.ProcessGroup | None = ddp.process_group
         self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+
+    def _take_outlets(
+        self, sender: AlarmSink | None, gate: CheckpointGate | None, job_id: str
+    ) -> None:
+        """Where alarms and checkpoint records go — nowhere in a diagnostic run's trace mode."""
         # Replay mode (SDCGUARD_REPLAY_*, detection.guard.trace_mode): trace, no alarms, no
         # provenance.
         self.trace_mode = TraceMode.from_env(self.rank)
@@ -208,7 +244,9 @@ class SDCGuard:
         if gate is not None and self.trace_mode is not None:
             gate._sink = None  # a replay records no checkpoint
         self.job_id = job_id
-        self.world_size = dist.get_world_size(self.group)
+
+    def _take_parameters(self, ddp: DistributedDataParallel) -> None:
+        """Which parameters the guard sees, and which of them the replicas vote on."""
         self.params = list(self.module.parameters())
         if not self.params:
             raise GuardConfigError("the model has no parameters")
@@ -224,6 +262,10 @@ class SDCGuard:
         self._bucketed = [
             i for i, p in enumerate(self.params) if p.requires_grad and id(p) in voted
         ]
+
+    def _place(self, identity: Identity | None) -> list[dict[str, Any]]:
+        """Collective: agree with every rank at start (nodes, identities, configuration), then
+        place this rank in the audit ring. Returns every rank's identity."""
         self.device = self.params[0].device
         self.node: str = identity.node if identity is not None else socket.gethostname()
         self.nodes, identities = self._agree(identity)
@@ -231,6 +273,10 @@ class SDCGuard:
         self.auditors = auditors_of(self.partners)
         self.audit_every = self.config.audit_every if self.world_size > 1 else 0
         self.micro_batches = self.config.micro_batches
+        return identities
+
+    def _start_state(self, ddp: DistributedDataParallel) -> None:
+        """What the guard keeps across steps: alarms, counters, the weights' plan, the buffers."""
         self.alarms: list[Alarm] = []
         self.counters = GuardCounters()
         self.halted = False
@@ -253,8 +299,17 @@ class SDCGuard:
             rank=self.rank,
             device=self.device,
         )
-        self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
+        self._extra = {"job": self.job_id, "rank": self.rank, "node": self.node}
 
+    def _wire(
+        self,
+        ddp: DistributedDataParallel,
+        comm_hook: CommHook | None,
+        comm_state: Any,
+        recompute_module: nn.Module,
+    ) -> None:
+        """The layers of a step: fault injector, per-step checks, decision, comm hook, audit."""
+        loss_fn, microbatch = self.loss_fn, self.microbatch
         if self.config.mode is AuditMode.GRADIENT and self.audit_every:
             self._check_determinism_possible()
         specs = [FaultSpec.parse(s) for s in self.config.inject]
@@ -280,7 +335,7 @@ class SDCGuard:
         )
         self.hook.register(ddp)
         self.recompute = PartnerRecompute(
-            replay_module,
+            recompute_module,
             loss_fn=loss_fn,
             microbatch=microbatch,
             mode=self.config.mode,
@@ -304,6 +359,9 @@ class SDCGuard:
             device=self.device,
             group=self.group,
         )
+
+    def _hook_into(self, hooked: nn.Module, identities: list[dict[str, Any]]) -> None:
+        """The hooks a step runs through (module and optimizer), then the ranks' registration."""
         self._handles = [
             hooked.register_forward_pre_hook(self._before_forward),
             hooked.register_forward_hook(self._after_forward),
@@ -330,7 +388,6 @@ class SDCGuard:
             extra=self._extra,
         )
 
-    # -- set-up ------------------------------------------------------------------------------------
     def _agree(self, identity: Identity | None) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
         if identity is not None:
             ident = dict(identity.to_dict())

@@ -8,11 +8,10 @@ What each computes, and the invariants every caller relies on, are in the C file
 from __future__ import annotations
 
 import ctypes
-import sys
 
 import torch
 
-from detection.native.build import available, library, unavailable_reason
+from detection.native.build import available, library
 
 __all__ = [
     "PointerList",
@@ -202,8 +201,3 @@ def norm_grad(d: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
     out = torch.empty(4, width, dtype=torch.float32)
     library().sdc_norm_grad_f32(d.data_ptr(), xh.data_ptr(), rows, width, out.data_ptr())
     return out
-
-
-if __name__ == "__main__":  # python -m detection.native: build, and say whether it works
-    print("available" if available() else f"unavailable: {unavailable_reason()}")
-    sys.exit(0 if available() else 1)
