@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The detection benchmarks' CUDA figures, in one run on a machine with a GPU (`make bench-cuda`):
 #
-#   tests        the tests that need a GPU (tests/detection/test_device_graph.py: the CUDA-graph
+#   tests        the tests that need a GPU (tests/detection/weights/test_device_graph.py: the CUDA-graph
 #                replays against the definition), with pytest;
 #   syncs        host synchronisations a guarded step adds, counted with the profiler
 #                (benchmarks/cuda_syncs.py, world size 1, NCCL);
@@ -51,7 +51,7 @@ print("host CPUs", os.cpu_count(), "load", os.getloadavg()[0])
 # --noconftest: the suite's conftest reaches for the control plane (Prefect), which a GPU image
 # need not have; these tests need only torch
 part tests "${TESTS_LIMIT:-180}" "$py" -m pytest --noconftest -q -p no:cacheprovider -o addopts= \
-    tests/detection/test_device_graph.py
+    tests/detection/weights/test_device_graph.py
 part syncs "${SYNCS_LIMIT:-240}" "$py" benchmarks/cuda_syncs.py --steps 20
 part launches "${LAUNCHES_LIMIT:-240}" "$py" benchmarks/cuda_launches.py --rounds 30 --steps 5
 part overhead-1 "${OVERHEAD1_LIMIT:-300}" "$py" benchmarks/overhead.py --device cuda \

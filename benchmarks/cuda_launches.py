@@ -1,7 +1,7 @@
 """Where a guarded step's host time goes, part by part, profiled (world size 1).
 
 On a GPU the built-in models are far too small to keep the device busy: a step is the time the
-host takes to issue its kernels, and so is what the guard adds to it (``docs/detection.md``,
+host takes to issue its kernels, and so is what the guard adds to it (``docs/detection-design.md``,
 "On a GPU"). This script says which parts of the guard spend that time. It trains each variant
 of ``benchmarks/overhead.py`` that runs no audit (``plain``, ``bare``, ``checks``, ``abft``) under
 DDP on one rank, and ``checks-eager``, ``checks`` with the CUDA graphs of

@@ -14,7 +14,7 @@ per-round ratios:
 
 Peak extra memory of one replay (rank 0, after the rounds): the heap in use, sampled after every
 module's forward and at every parameter's gradient during the replay, minus the heap in use
-before it — next to the size of one gradient of the model, the bound ``docs/detection.md``
+before it — next to the size of one gradient of the model, the bound ``docs/detection-design.md``
 states.
 """
 

@@ -2,7 +2,7 @@
 
 Why: with ``GuardConfig(defer_decision=True)`` step ``s`` is decided at the end of step
 ``s + 1``, from every rank's row. An all-gather of its own is one more collective a step, and on
-a small model its latency is most of what the guard costs (``docs/detection.md``, costs). Step
+a small model its latency is most of what the guard costs (``benchmarks/RESULTS.md``). Step
 ``s + 1``'s gradient all-reduce is a collective every rank runs anyway, between the two points,
 so the row travels in it.
 

@@ -98,7 +98,7 @@ def _waits_here(bucket: dist.GradBucket, buffer: torch.Tensor) -> bool:
     """Whether the hook waits for this bucket's all-reduce itself: the last bucket of a CPU
     job. DDP waits for it as soon as the hook returns, so nothing overlaps it; a callback would
     run on the backend's thread and take the GIL there, which costs a small model's step more
-    than the wait (see ``docs/detection.md``)."""
+    than the wait (see ``docs/detection-design.md``)."""
     return bucket.is_last() and buffer.device.type == "cpu"
 
 

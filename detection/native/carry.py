@@ -3,7 +3,7 @@ bucket.
 
 Why: joining a row to a bucket took seven torch ops (the division into the joined buffer, the
 slab's zeroing, the chunks' shift, mask and copy) and reading it back four more; on a small
-model every op is part of the fixed cost a step pays (``docs/detection.md``, costs). Here each
+model every op is part of the fixed cost a step pays (``benchmarks/RESULTS.md``). Here each
 is one call.
 
 Invariant — the same bits as the torch path in :mod:`detection.guard.carry`: the gradients are

@@ -5,7 +5,7 @@ tensor, since reading one back is a host synchronisation — and sent as one ten
 there is nothing to synchronise: reading a scalar is a memory load, while every op on a
 one-element tensor is a dispatch of several microseconds. A small model's step there pays for
 some thirty such ops (the flags' stack and test, the loss's casts, the row's concatenation),
-which was most of the fixed cost a step adds (``docs/detection.md``, costs). Here the same
+which was most of the fixed cost a step adds (``benchmarks/RESULTS.md``). Here the same
 values are read once and joined in Python; the row becomes a tensor once, for the collective.
 
 Invariant — the row is the device path's, word for word: every value is read exactly (float32

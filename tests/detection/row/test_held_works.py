@@ -1,7 +1,7 @@
 """The guard's collectives end on the training thread, so a script may return right after them.
 
 A backend thread that drops a finished collective last must take the GIL to free its tensors,
-and while the interpreter finalizes that aborts the process (``detection/held_works.py``). Rank
+and while the interpreter finalizes that aborts the process (``detection/row/held_works.py``). Rank
 processes of ``run_ranks`` leave through ``os._exit`` and never finalize, so the exit itself is
 tested in fresh interpreters that return from ``main`` as a ``torchrun`` script does.
 """
