@@ -18,6 +18,7 @@ config=GuardConfig(...))``) and ``StatsConfig``; its C kernels are built from it
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import random
 import re
@@ -55,12 +56,12 @@ def copy_as_base(checkout: Path, into: Path) -> Path:
 
 
 def _guard(package: str, ddp: DistributedDataParallel, opt: Any, mb: Any, defer: bool) -> Any:
-    guard_module: ModuleType = __import__(f"{package}.guard", fromlist=["SDCGuard"])
-    stats_module: ModuleType = __import__(f"{package}.gradstats", fromlist=["StatsConfig"])
-    config = guard_module.GuardConfig(
-        audit_every=0, abft=False, defer_decision=defer, stats=stats_module.StatsConfig(warmup=3)
+    # The package's public names: the same in every version, whatever its layout inside.
+    top: ModuleType = importlib.import_module(package)
+    config = top.GuardConfig(
+        audit_every=0, abft=False, defer_decision=defer, stats=top.StatsConfig(warmup=3)
     )
-    return guard_module.SDCGuard(ddp, opt, microbatch=mb, loss_fn=loss_fn, config=config)
+    return top.SDCGuard(ddp, opt, microbatch=mb, loss_fn=loss_fn, config=config)
 
 
 def _rank(rank: int, world: int, port: int, scratch: str, steps: int, defer: bool) -> None:

@@ -162,19 +162,19 @@ class _FusedState:
         self.failed: set[tuple[object, ...]] = set()  # layouts whose compile failed
         self.refused: set[tuple[object, ...]] = set()  # layouts past the cap, logged once
         self._compiled: dict[tuple[str, int], _FusedFn] = {}
-        self.global_offsets: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._offsets: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     def offsets(self, offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """The global offsets as a device tensor, copied to the device once per list (a host
         to device copy every step would cost a synchronisation on CUDA)."""
         key = (offsets, device)
         with self.lock:
-            value = self.global_offsets.get(key)
+            value = self._offsets.get(key)
             if value is None:
-                if len(self.global_offsets) >= 64:
-                    self.global_offsets.clear()
+                if len(self._offsets) >= 64:
+                    self._offsets.clear()
                 value = torch.tensor(offsets, dtype=torch.int64, device=device)
-                self.global_offsets[key] = value
+                self._offsets[key] = value
             return value
 
     def compiled(self, device_type: str) -> _FusedFn:

@@ -197,10 +197,10 @@ class FingerprintPlan:
         # The compiled table: multipliers in the list's order and each tensor's first one.
         self._ordered: torch.Tensor | None = None
         self._starts: tuple[int, ...] = ()
-        self.layout: tuple[object, ...] | None = None
+        self._layout: tuple[object, ...] | None = None
         self._live: list[torch.Tensor] = []  # the tensors, detached, as of the last build
         # The fused kernel's layout, when the plan runs on it (a GPU, a CPU with 64-bit lanes).
-        self.fused_fingerprint: tuple[object, ...] | None = None
+        self._fused: tuple[object, ...] | None = None
         # On a CPU with detection.native: the list as one call's pointer arrays.
         self._native: native.PointerList | None = None
         # On a GPU, the ops of one call captured as a CUDA graph: one launch a step.
@@ -219,7 +219,7 @@ class FingerprintPlan:
         ts = prepare(self.tensors)
         self._key, self._groups, self._words, self._mult = key, [], None, None
         self._pair = None
-        self._ordered, self.layout, self._live, self.fused_fingerprint = None, None, [], None
+        self._ordered, self._layout, self._live, self._fused = None, None, [], None
         self._native = None
         self._device = ts[0].device if ts else None
         where = global_offsets(ts, None, self._start)
@@ -236,9 +236,7 @@ class FingerprintPlan:
         if fused and numel > PLAN_EAGER_MAX:
             cpu = ts[0].device.type == "cpu"
             if cpu and _recomputing_is_cheaper() and use_fused(ts):
-                self.fused_fingerprint = layout_of(
-                    ts
-                )  # fingerprint_on_device's kernel, its layout admitted
+                self._fused = layout_of(ts)  # fingerprint_on_device's kernel, its layout admitted
                 return
             compiled = (
                 cpu and all(t.dtype in FUSED_DTYPES for t in ts) and _KERNELS.admit(layout_of(ts))
@@ -263,7 +261,7 @@ class FingerprintPlan:
         with torch.inference_mode(False):
             self._ordered = self._range(ts[0].device, where[0], sum(t.numel() for t in ts))
         self._starts = tuple(o - where[0] for o in where)
-        self.layout = layout_of(ts)
+        self._layout = layout_of(ts)
         self._live = ts
 
     def _build_eager(self, ts: list[torch.Tensor], where: list[int]) -> None:
@@ -314,8 +312,8 @@ class FingerprintPlan:
                 with torch.no_grad():
                     return _KERNELS.fn()(ts, ordered, self._starts)
         except Exception as err:
-            if self.layout is not None:
-                _KERNELS.fail(self.layout)
+            if self._layout is not None:
+                _KERNELS.fail(self._layout)
             compile_failed(err, len(ts), "this list takes the eager table")
             self._ordered = None
             self._build_eager(prepare(self.tensors), global_offsets(ts, None, self._start))
@@ -345,12 +343,12 @@ class FingerprintPlan:
             return torch.zeros(2, dtype=torch.int64)
         if self._native is not None:
             return native.fingerprint(self._native)
-        if self.fused_fingerprint is not None:
-            if self.fused_fingerprint not in FUSED_STATE.failed:
+        if self._fused is not None:
+            if self._fused not in FUSED_STATE.failed:
                 return fingerprint_on_device(self.tensors, start=self._start)
             # Compiling it failed (the fused kernel logged why, and its call still answered
             # with the eager kernel): this list takes the eager table from now on.
-            self.fused_fingerprint = None
+            self._fused = None
             ts = prepare(self.tensors)
             self._build_eager(ts, global_offsets(ts, None, self._start))
         if self._ordered is not None:

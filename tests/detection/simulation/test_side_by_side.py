@@ -27,7 +27,7 @@ def _script() -> ModuleType:
 
 def test_the_copy_imports_only_itself(tmp_path: Path) -> None:
     copied = _script().copy_as_base(ROOT, tmp_path)
-    assert (copied / "guard.py").exists()
+    assert (copied / "guard" / "sdcguard.py").exists()
     for path in copied.rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"^\s*(from|import) detection\b(?!_base)", text, re.M), path
