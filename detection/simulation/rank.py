@@ -19,12 +19,11 @@ import json
 import logging
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -53,8 +52,9 @@ from detection.simulation.diagnostics import (
     write_probe,
 )
 from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.simulation.report import Progress, build_report, write_report
 from detection.simulation.termination import StopRequest, Terminated
-from detection.weights.fingerprint import Fingerprint, weight_fingerprint
+from detection.weights.fingerprint import weight_fingerprint
 from detection.weights.load_check import verify_after_load
 from detection.weights.state import model_state_tensors
 
@@ -153,21 +153,10 @@ class _Job:
         return {"job": self.config.job, "rank": self.rank, "node": self.nodes[self.rank]}
 
 
-@dataclass
-class _Progress:
-    """How far the loop got: step times, the last step whose update finished, and whether the
-    loop ended on a stop."""
-
-    durations: list[float] = field(default_factory=list)
-    completed: int | None = None
-    completed_fp: Fingerprint | None = None
-    terminating: bool = False
-
-
 def train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]:
     """Train this rank's steps and return the report (rank 0 also writes it)."""
     job = _set_up(rank, config, secret)
-    progress = _Progress()
+    progress = Progress()
     job.trace = open_trace(config, rank)
     try:
         for step in range(job.start, config.steps):
@@ -189,11 +178,11 @@ def train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]:
             raise Terminated() from None
     finally:
         _close(job, progress.terminating)
-    report = _report(job, progress)
+    report = build_report(job.config, job.nodes, job.model, job.guard, job.gate, progress)
     if rank == 0:
         # Written here, before the webhook flush, not by the launcher: a launcher that is
         # stopped meanwhile would lose it.
-        _write_report(config, report)
+        write_report(config, report)
     if job.sender is not None and not progress.terminating:
         job.sender.close(timeout_s=10.0)  # what is not delivered by then stays spooled
     return report
@@ -276,7 +265,7 @@ def _guard(job: _Job) -> SDCGuard | None:
     )
 
 
-def _step(job: _Job, step: int, progress: _Progress) -> bool:
+def _step(job: _Job, step: int, progress: Progress) -> bool:
     """Run one step and what follows it (probe, trace, checkpoint); ``False`` once the guard
     halted the job."""
     config, guard = job.config, job.guard
@@ -368,31 +357,6 @@ def _close(job: _Job, terminating: bool) -> None:
             job.gate.flush()
 
 
-def _report(job: _Job, progress: _Progress) -> dict[str, Any]:
-    """The DESIGN report. A stopped run reports the weights after its last complete step: the
-    signal may have landed inside an update, so the live tensors are not a state any step
-    produced."""
-    if progress.terminating and progress.completed_fp is not None:
-        final = progress.completed_fp
-    else:
-        final = weight_fingerprint(model_state_tensors(job.model))
-    alarms = job.guard.alarms if job.guard is not None else []
-    report: dict[str, Any] = {
-        "world_size": job.config.world_size,
-        "steps": job.config.steps,
-        "nodes": {str(r): n for r, n in enumerate(job.nodes)},
-        "alarms": [a.to_report() for a in alarms],
-        "checkpoints": [r.to_report() for r in job.gate.records] if job.gate is not None else [],
-        "final_fingerprint": final.hex(),
-        "step_ms": _step_ms(progress.durations),
-    }
-    if progress.terminating:
-        # Stopped (the incident flow stops training): rank 0 still reports what the job did up
-        # to its last complete step — its alarms and checkpoints are the incident's evidence.
-        report["stopped_after_step"] = progress.completed
-    return report
-
-
 def _sender(config: TrainConfig, rank: int, secret: str | None) -> Any:
     if config.webhook is None:
         return None
@@ -429,20 +393,3 @@ def _quiet_if(stopping: bool) -> Iterator[None]:
         if not stopping:
             raise
         _log.warning("cleanup after the stop failed", exc_info=True)
-
-
-def _step_ms(durations: Sequence[float]) -> dict[str, float]:
-    if not durations:
-        return {"median": 0.0, "p90": 0.0}
-    ordered = sorted(d * 1000.0 for d in durations)
-    p90 = ordered[min(len(ordered) - 1, max(0, round(0.9 * len(ordered)) - 1))]
-    return {"median": round(statistics.median(ordered), 3), "p90": round(p90, 3)}
-
-
-def _write_report(config: TrainConfig, report: dict[str, Any]) -> None:
-    if config.report is None:
-        return
-    config.report.parent.mkdir(parents=True, exist_ok=True)
-    temp = config.report.with_name(config.report.name + ".tmp")
-    temp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(temp, config.report)
