@@ -11,7 +11,8 @@ all-gathered decision row. It exits 1 when a guarded step adds more than that.
 On CUDA it then runs a few more guarded steps under ``torch.cuda.set_sync_debug_mode("warn")``
 and prints where each synchronisation came from (the innermost frame in sdcguard's code), so an
 extra one is found, not only counted. Without a GPU (or with ``--cpu``) it counts on the CPU
-with :class:`detection.host_reads.HostReads`, which sees the calls that would synchronise.
+with :class:`host_reads.HostReads` (``benchmarks/host_reads.py``), which sees the calls that would
+synchronise.
 """
 
 from __future__ import annotations

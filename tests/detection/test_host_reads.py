@@ -1,7 +1,8 @@
 """The host-synchronisation budget of a guarded step: one read-back per step, nothing else.
 
 On a GPU the profiler counts the synchronisations (``benchmarks/cuda_syncs.py``); here
-:class:`detection.host_reads.HostReads` counts the calls that cause them, including those made
+:class:`host_reads.HostReads` (``benchmarks/host_reads.py``) counts the calls that cause them,
+including those made
 inside backward (DDP's comm hook, where the per-step layer and the ABFT checks run). A
 synchronisation added there once cost two per bucket on CUDA and no CPU test saw it. The guard
 runs its device path here (the C kernels off, as on a GPU): with them a CPU job reads its row's
