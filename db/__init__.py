@@ -32,7 +32,7 @@ from db.errors import (
     UnknownIncident,
     UnknownJob,
 )
-from db.ledger import Ledger, NonceClaim, Replayed
+from db.ledger import Ledger, NonceClaim, NonceReused
 from db.migrate import current_revision, downgrade, head_revision, schema_diff, upgrade
 from db.views import (
     ActionClaim,
@@ -78,9 +78,9 @@ __all__ = [
     "LedgerTemporaryError",
     "LedgerUnavailable",
     "NonceClaim",
+    "NonceReused",
     "RankIn",
     "RankView",
-    "Replayed",
     "SchemaNotReady",
     "StaleRegistration",
     "UnknownAction",

@@ -2,7 +2,7 @@
 
 Every POST goes through the signed route (:mod:`flows.webhook.signed`: size, authentication,
 JSON), then its request model (:mod:`flows.webhook.models`), then :func:`admit` (the caller's
-scope covers the job; the nonce is claimed once, :mod:`flows.webhook.replay`), then the ledger
+scope covers the job; the nonce is claimed once, :mod:`flows.webhook.nonces`), then the ledger
 in one transaction, whose typed errors become 4xx/503 with the reason. Alarms go to the ledger
 through the batcher (:mod:`flows.webhook.batcher`), which claims each request's nonce in the
 transaction that records its alarm. GET routes change nothing and need a
@@ -35,17 +35,16 @@ from db import (
     Ledger,
     LedgerError,
     LedgerTemporaryError,
+    NonceReused,
     RankIn,
-    Replayed,
     SchemaNotReady,
     UnknownIncident,
     UnknownJob,
 )
-from flows.metrics import install_metrics, ledger_ping
-from flows.trigger import DEFAULT_RETRY_DELAYS_S, IncidentTrigger, TriggerDispatcher
 from flows.webhook.auth import Credentials
 from flows.webhook.batcher import DEFAULT_ALARM_BATCH, AlarmBatcher, AlarmQueue
 from flows.webhook.incidents_api import incidents_router
+from flows.webhook.metrics import install_metrics, ledger_ping
 from flows.webhook.models import (
     LEDGER_ERRORS,
     READ_ERRORS,
@@ -61,8 +60,8 @@ from flows.webhook.models import (
     RanksRegistered,
     TriggerQueued,
 )
+from flows.webhook.nonces import NonceStore
 from flows.webhook.reads import ReadBudget, Reader, covered_jobs, decode_cursor, encode_cursor
-from flows.webhook.replay import ReplayStore
 from flows.webhook.signed import (
     REPLAYED,
     Guard,
@@ -73,6 +72,7 @@ from flows.webhook.signed import (
     refusal,
     signed_route_class,
 )
+from flows.webhook.trigger import DEFAULT_RETRY_DELAYS_S, IncidentTrigger, TriggerDispatcher
 
 __all__ = ["alarm_queue_of", "create_app", "dispatcher_of"]
 
@@ -158,7 +158,7 @@ def create_app(
     most ``reads_per_s`` per second (429 above: :class:`ReadBudget`). ``docs`` serves ``/docs``
     and ``/openapi.json`` (off by default: the schema is no secret, but nothing unauthenticated
     should answer). A fire that fails is retried after ``trigger_retry_delays_s``
-    (:class:`flows.trigger.TriggerDispatcher`). On start-up every incident still ``open`` is
+    (:class:`flows.webhook.trigger.TriggerDispatcher`). On start-up every incident still ``open`` is
     fired again: an incident whose flow was lost with a previous process (crash between record
     and fire, or a fire still failing at shutdown) is started now — safe, since Prefect refuses
     a second run for the same idempotency key and the flow itself claims each action once.
@@ -179,8 +179,8 @@ def create_app(
         return await anyio.to_thread.run_sync(fn, *args, limiter=read_limiter)
 
     guard = Guard(creds, max_body_bytes, window_s, in_read_thread)
-    replay = ReplayStore(ledger, in_thread, window_s, shared=ledger.engine.dialect.name != "sqlite")
-    batcher = AlarmBatcher(ledger, dispatcher, in_thread, max_alarm_batch, keep=replay.keep)
+    nonces = NonceStore(ledger, in_thread, window_s, shared=ledger.engine.dialect.name != "sqlite")
+    batcher = AlarmBatcher(ledger, dispatcher, in_thread, max_alarm_batch, keep=nonces.keep)
 
     async def refire_open_incidents() -> None:
         try:
@@ -201,7 +201,7 @@ def create_app(
         limiter = anyio.CapacityLimiter(pool_limit)
         read_limiter = anyio.CapacityLimiter(max(1, read_threads))
         dispatcher.start()
-        replay.start()
+        nonces.start()
         batcher.start()
         await refire_open_incidents()
         try:
@@ -209,7 +209,7 @@ def create_app(
         finally:
             try:
                 await batcher.close()  # first: its last batches may still open an incident
-                await replay.close()
+                await nonces.close()
             finally:
                 await anyio.to_thread.run_sync(dispatcher.close)
 
@@ -314,7 +314,7 @@ def create_app(
         Ledger.validate_alarm(record)  # refused here, alone, not as part of someone's batch
         nonce = None if caller.nonce is None else (caller.nonce, caller.key_id)
         outcome = await batcher.record(record, nonce)  # the batcher fires the trigger if opened
-        if isinstance(outcome, Replayed):
+        if isinstance(outcome, NonceReused):
             raise Refused(401, REPLAYED)
         if outcome.duplicate:
             logger.debug(
@@ -332,7 +332,7 @@ def create_app(
     async def post_ranks(
         job_id: Annotated[JobId, Path()], body: RanksBody, request: Request
     ) -> RanksRegistered:
-        await admit(request, job_id, replay)
+        await admit(request, job_id, nonces)
         ranks = [
             RankIn(
                 rank=r.rank,
@@ -361,7 +361,7 @@ def create_app(
     async def post_checkpoint(
         job_id: Annotated[JobId, Path()], body: CheckpointBody, request: Request
     ) -> dict[str, Any]:
-        await admit(request, job_id, replay, checkpoint_uri=body.uri)
+        await admit(request, job_id, nonces, checkpoint_uri=body.uri)
 
         def record() -> dict[str, Any]:
             view = ledger.record_checkpoint(
@@ -387,7 +387,7 @@ def create_app(
     async def post_audit(
         job_id: Annotated[JobId, Path()], body: AuditBody, request: Request
     ) -> AuditRecorded:
-        await admit(request, job_id, replay)
+        await admit(request, job_id, nonces)
         verified = await in_thread(
             ledger.record_audit, job_id, body.step, body.kind, list(body.ranks), body.passed
         )
@@ -404,7 +404,7 @@ def create_app(
         incident_id: Annotated[IncidentId, Path()], request: Request
     ) -> TriggerQueued:
         incident = await in_thread(ledger.get_incident, incident_id)
-        await admit(request, incident.job_id, replay)
+        await admit(request, incident.job_id, nonces)
         queued = dispatcher.submit(incident.id, incident.job_id)
         return TriggerQueued(incident_id=incident.id, queued=queued)
 

@@ -1,6 +1,6 @@
 """``POST /v1/incidents/{incident_id}/retry``: move a ``failed`` or ``expired`` incident forward.
 
-The API side of :func:`flows.retry.retry_incident` (the CLI and the Prefect UI have theirs):
+The API side of :func:`flows.webhook.retry.retry_incident` (the CLI and the Prefect UI have theirs):
 signed like every POST, and answered 409 by the app's ledger error handler for an incident that
 is not ``failed``/``expired`` or whose job has another live incident. The new flow run is started
 before the answer, so a 202 means a run exists (or, for a non-Prefect trigger, was handed over).
@@ -16,10 +16,10 @@ from pydantic import BaseModel, Field
 
 from db import Ledger
 from db.ledger.incidents import retry_count
-from flows.retry import retry_incident
-from flows.trigger import IncidentTrigger, TriggerError
 from flows.webhook.models import LEDGER_ERRORS, SIGNED_ERRORS, IncidentId
+from flows.webhook.retry import retry_incident
 from flows.webhook.signed import Guard, signed_route_class
+from flows.webhook.trigger import IncidentTrigger, TriggerError
 
 __all__ = ["RetryBody", "RetryStarted", "incidents_router"]
 

@@ -10,17 +10,8 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from recovery import moto_hyperpod
-from recovery.aws_local import LocalAws, create_demo_cluster
-from recovery.errors import (
-    ConflictError,
-    ForbiddenError,
-    NotFoundError,
-    PermanentError,
-    TemporaryError,
-    ThrottledError,
-)
-from recovery.hyperpod import (
+from recovery.aws import moto_hyperpod
+from recovery.aws.hyperpod import (
     INSTANCE_ID_LABEL,
     AlreadyReplacing,
     AmbiguousReplacement,
@@ -30,6 +21,15 @@ from recovery.hyperpod import (
     NodeStatus,
     WaitTimeout,
     sagemaker_client,
+)
+from recovery.aws.local import LocalAws, create_demo_cluster
+from recovery.errors import (
+    ConflictError,
+    ForbiddenError,
+    NotFoundError,
+    PermanentError,
+    TemporaryError,
+    ThrottledError,
 )
 from tests.recovery.aws_fixtures import (  # noqa: F401  (fixtures, registered by name)
     CLUSTER,
