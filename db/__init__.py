@@ -35,6 +35,7 @@ from db.errors import (
 from db.ledger import Ledger, NonceClaim, NonceReused
 from db.migrate import current_revision, downgrade, head_revision, schema_diff, upgrade
 from db.views import (
+    STAGE_KIND,
     ActionClaim,
     ActionEventView,
     ActionView,
@@ -46,10 +47,12 @@ from db.views import (
     IncidentView,
     RankIn,
     RankView,
+    action_key,
 )
 
 __all__ = [
     "DATABASE_URL_ENV",
+    "STAGE_KIND",
     "ActionClaim",
     "ActionEventView",
     "ActionStateError",
@@ -87,6 +90,7 @@ __all__ = [
     "UnknownIncident",
     "UnknownJob",
     "Verdict",
+    "action_key",
     "can_transition",
     "create_engine_for",
     "current_revision",

@@ -18,19 +18,17 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from db import IncidentState
+from db import STAGE_KIND, IncidentState
+from db.evidence import APPROVAL
 from db.views import ActionView, IncidentView
 
 __all__ = [
-    "STAGE_KIND",
     "incident_renderables",
     "incident_summary",
     "incidents_table",
     "report_markdown",
     "stage_actions",
 ]
-
-STAGE_KIND = "stage"
 
 
 def stage_actions(incident: IncidentView) -> list[ActionView]:
@@ -70,7 +68,7 @@ def incident_summary(incident: IncidentView) -> dict[str, Any]:
     resume = _stage_outcome(incident, "resume")
     approval: dict[str, Any] | None = None
     if incident.decision is not None:
-        recorded = (incident.evidence or {}).get("approval") or {}
+        recorded = (incident.evidence or {}).get(APPROVAL) or {}
         approval = {
             "decision": incident.decision,
             "approver": incident.approver,

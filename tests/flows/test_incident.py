@@ -28,6 +28,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
 
 from db import (
+    STAGE_KIND,
     ActionStatus,
     AlarmIn,
     CheckpointStatus,
@@ -40,7 +41,7 @@ from db import (
 from flows.incident.approval.form import ApprovalDecision, artifact_key, submit_decision
 from flows.incident.flow import IncidentFailed, incident_response, respond
 from flows.incident.policy import IncidentPolicy, NodeAction
-from flows.incident.report import STAGE_KIND, incident_summary
+from flows.incident.report import incident_summary
 from flows.incident.stages import AUTO_APPROVER
 from flows.incident.wiring import Backends, use_backends
 from flows.settings import PolicySettings

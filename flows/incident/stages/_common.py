@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
@@ -22,8 +23,10 @@ from prefect.exceptions import Pause
 from prefect.states import State
 
 from db import (
+    STAGE_KIND,
     ActionClaim,
     ActionStatus,
+    ActionView,
     AlarmView,
     ClaimLost,
     IncidentState,
@@ -34,7 +37,6 @@ from db import (
 )
 from flows.incident.coordination import claim_owner, dead_owner_reason
 from flows.incident.policy import IncidentPolicy
-from flows.incident.report import STAGE_KIND
 from flows.incident.stages._heartbeat import ClaimHeartbeat, current_heartbeat
 from flows.incident.wiring import Backends, current_backends
 from flows.settings import CoordinationSettings
@@ -115,49 +117,88 @@ def log_extra(incident_id: str, stage: Stage | str, **more: Any) -> dict[str, An
 def record_stage(stage: Stage, incident_id: str, body: Callable[[], StageOutcome]) -> StageOutcome:
     """Run ``body`` as the ledger action ``<incident>:stage:<stage>``; skip it once succeeded.
 
-    The claim is this flow run's, leased (:func:`flows.incident.coordination.claim_owner`): a stage
-    another live run holds raises :class:`db.ClaimLost` here, before anything is done. While
-    ``body`` runs, a :class:`ClaimHeartbeat` renews the lease (the lease is short; a stage may
-    wait for an hour); it is stopped before the outcome is recorded, however ``body`` ends.
+    The claim is this flow run's, leased (:func:`flows.incident.coordination.claim_owner`): a
+    stage another live run holds raises :class:`db.ClaimLost` here, before anything is done.
+    While ``body`` runs, a :class:`ClaimHeartbeat` renews the lease (the lease is short; a stage
+    may wait for an hour); it is stopped before the outcome is recorded, however ``body`` ends.
     """
-    ledger = current_backends().ledger
-    owner, lease_s = claim_owner(), _lease_s()
-    claim = _claim(incident_id, STAGE_KIND, stage.value, None, owner, lease_s)
     extra = log_extra(incident_id, stage)
+    held = _hold(incident_id, STAGE_KIND, stage.value, None, extra)
+    if isinstance(held, dict):
+        return held
+    if held.action.attempts > 1:
+        log.warning("stage %s: an earlier attempt did not finish; continuing", stage, extra=extra)
+    log.info("stage %s started", stage, extra=extra)
+    ledger = current_backends().ledger
+    heartbeat = ClaimHeartbeat(ledger, held.action.key, held.owner, held.lease_s, context=extra)
+
+    def run() -> StageOutcome:
+        token = current_heartbeat.set(heartbeat)
+        try:
+            with heartbeat:
+                return body()
+        finally:
+            current_heartbeat.reset(token)
+
+    outcome = _settle(held, run, extra)
+    log.info("stage %s done: %s", stage, outcome.get("outcome"), extra=extra)
+    return outcome
+
+
+@dataclass(frozen=True)
+class _Held:
+    """An action this run has claimed and must now finish: its row, owner and lease."""
+
+    action: ActionView
+    owner: str
+    lease_s: float
+
+
+def _hold(
+    incident_id: str, kind: str, target: str, detail: dict[str, Any] | None, extra: dict[str, Any]
+) -> _Held | dict[str, Any]:
+    """Claim ``<incident>:<kind>:<target>`` for this run: held, or — done already — what it
+    recorded. A claim another live run holds raises :class:`db.ClaimLost`."""
+    owner, lease_s = claim_owner(), _lease_s()
+    claim = _claim(incident_id, kind, target, detail, owner, lease_s)
     if not claim.won and claim.action.status is ActionStatus.SUCCEEDED:
-        log.info("stage %s already done; not repeated", stage, extra=extra)
+        log.info("%s already done; not repeated", claim.action.key, extra=extra)
         return dict(claim.action.detail or {})
     if not claim.won:
         raise ClaimLost(claim.action.key, owner, claim.action.owner)
-    if claim.action.attempts > 1:
-        log.warning("stage %s: an earlier attempt did not finish; continuing", stage, extra=extra)
-    log.info("stage %s started", stage, extra=extra)
-    heartbeat = ClaimHeartbeat(ledger, claim.action.key, owner, lease_s, context=extra)
-    token = current_heartbeat.set(heartbeat)
+    return _Held(claim.action, owner, lease_s)
+
+
+def _settle(
+    held: _Held, act: Callable[[], dict[str, Any]], extra: dict[str, Any]
+) -> dict[str, Any]:
+    """Run ``act`` for a held action and record how it ended, whatever happens.
+
+    Succeeded: its result. An error: ``failed`` with the error, so the next attempt looks before
+    it acts again. The engine stopping the run (a ``BaseException``): released
+    (:func:`_release`). A claim found lost (:class:`db.ClaimLost`): nothing — it is not ours.
+    """
+    ledger = current_backends().ledger
+    key = held.action.key
     try:
-        with heartbeat:
-            outcome = body()
+        result = act()
     except ClaimLost:
-        raise  # not ours any more: nothing to record
+        raise
     except Exception as err:
+        error = f"{type(err).__name__}: {err}"
         ledger.finish_action(
-            claim.action.key,
+            key,
             ActionStatus.FAILED,
-            {"outcome": f"failed: {err}", "error": f"{type(err).__name__}: {err}"},
-            owner=owner,
+            {"outcome": f"failed: {err}", "error": error},
+            owner=held.owner,
         )
-        log.error("stage %s failed: %s", stage, err, extra=extra)
+        log.error("%s failed: %s", key, err, extra=extra)
         raise
     except BaseException as signal:
-        _release(claim.action.key, owner, signal, extra)
+        _release(key, held.owner, signal, extra)
         raise
-    finally:
-        current_heartbeat.reset(token)
-    ledger.finish_action(
-        claim.action.key, ActionStatus.SUCCEEDED, {**outcome, "error": None}, owner=owner
-    )
-    log.info("stage %s done: %s", stage, outcome.get("outcome"), extra=extra)
-    return outcome
+    ledger.finish_action(key, ActionStatus.SUCCEEDED, {**result, "error": None}, owner=held.owner)
+    return result
 
 
 def _lease_s() -> float:
@@ -248,39 +289,27 @@ def perform(
     have reached the outside system, so ``act`` must look before it acts again. ``detail`` is
     stored with the claim — *before* the call — so a later run knows what was about to happen.
     """
-    ledger = current_backends().ledger
-    owner, lease_s = claim_owner(), _lease_s()
-    claim = _claim(incident_id, kind.value, target, detail, owner, lease_s)
-    action = claim.action
     on_job = kind in (Action.STOP_JOB, Action.RESUME)
     extra = log_extra(incident_id, kind.value, **{"job" if on_job else "node": target})
-    if not claim.won and action.status is ActionStatus.SUCCEEDED:
-        log.info("%s %s already done; not repeated", kind, target, extra=extra)
-        return dict(action.detail or {})
-    if not claim.won:
-        raise ClaimLost(action.key, owner, action.owner)
+    held = _hold(incident_id, kind.value, target, detail, extra)
+    if isinstance(held, dict):
+        return held
     heartbeat = current_heartbeat.get()
-    _still_ours(heartbeat, owner, lease_s)
-    first = action.attempts == 1
+    _still_ours(heartbeat, held.owner, held.lease_s)
+    first = held.action.attempts == 1
     if not first:
         log.warning(
             "%s %s: an earlier attempt may have acted; checking first", kind, target, extra=extra
         )
-    try:
+
+    def run() -> dict[str, Any]:
         # renewed with its stage while it runs: a replacement may wait for an hour
-        with heartbeat.hold(action.key) if heartbeat else contextlib.nullcontext():
-            result = act(first)
-    except ClaimLost:
-        raise
-    except Exception as err:
-        ledger.finish_action(action.key, ActionStatus.FAILED, {"error": f"{err}"}, owner=owner)
-        raise
-    except BaseException as signal:
-        _release(action.key, owner, signal, extra)
-        raise
-    ledger.finish_action(action.key, ActionStatus.SUCCEEDED, {**result, "error": None}, owner=owner)
+        with heartbeat.hold(held.action.key) if heartbeat else contextlib.nullcontext():
+            return act(first)
+
+    result = _settle(held, run, extra)
     log.info("%s %s done", kind, target, extra=extra)
-    return {**(action.detail or {}), **result}
+    return {**(held.action.detail or {}), **result}
 
 
 def _still_ours(heartbeat: ClaimHeartbeat | None, owner: str, lease_s: float) -> None:

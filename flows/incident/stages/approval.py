@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from db import IncidentState, IncidentView
+from db.evidence import APPROVAL, APPROVAL_REQUEST
 from flows.incident.approval.form import (
     ApprovalChoice,
     Evidence,
@@ -240,7 +241,7 @@ def _request(
     """The question put to the approver, recorded once: the nodes and the deadline.
 
     Returns it, and whether it was recorded just now."""
-    recorded = (incident.evidence or {}).get("approval_request")
+    recorded = (incident.evidence or {}).get(APPROVAL_REQUEST)
     if recorded:
         return dict(recorded), False
     deadline = datetime.now(UTC) + timedelta(seconds=policy.approval_timeout_s)
@@ -248,7 +249,7 @@ def _request(
     b.ledger.transition(
         incident.id,
         incident.state,
-        evidence=with_evidence(incident, approval_request=request),
+        evidence=with_evidence(incident, **{APPROVAL_REQUEST: request}),
     )
     return request, True
 
@@ -302,7 +303,7 @@ def _decide(
         decision=choice,
         approver=approver,
         approval_reason=reason,
-        evidence=with_evidence(incident, approval=record),
+        evidence=with_evidence(incident, **{APPROVAL: record}),
     )
     by = f" by {approver}" if approver else ""
     return {"outcome": f"{choice}{by}: {reason}", **record}

@@ -101,7 +101,8 @@ def diagnostic_rerun(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
         incident_id,
         b.ledger.get_incident(incident_id).state,
         verdict=Verdict(verdict["verdict"]),
-        evidence=with_evidence(b.ledger.get_incident(incident_id), verdict=verdict, rerun=rerun),
+        # "replay" is the evidence key incidents have always been recorded under
+        evidence=with_evidence(b.ledger.get_incident(incident_id), verdict=verdict, replay=rerun),
     )
     return {
         "outcome": f"{verdict['verdict']}: {verdict['reason']}",

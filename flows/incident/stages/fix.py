@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any
 
-from db import IncidentState
+from db import IncidentState, action_key
 from flows.incident.policy import IncidentPolicy, NodeAction
 from flows.incident.stages._common import (
     Action,
@@ -45,7 +45,7 @@ def _replacement_plan(b: Backends, incident_id: str, node: str) -> dict[str, Any
     Kept with the claim, because after the replacement the node is gone and the new instance
     is recognised only as "a member that was not there before".
     """
-    key = f"{incident_id}:{Action.REPLACE.value}:{node}"
+    key = action_key(incident_id, Action.REPLACE.value, node)
     prior = next((a for a in b.ledger.actions(incident_id) if a.key == key), None)
     if prior is not None and prior.detail and prior.detail.get("instance_id"):
         return dict(prior.detail)
