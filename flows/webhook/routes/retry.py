@@ -21,7 +21,7 @@ from flows.webhook.retry import retry_incident
 from flows.webhook.signed import Guard, signed_route_class
 from flows.webhook.trigger import IncidentTrigger, TriggerError
 
-__all__ = ["RetryBody", "RetryStarted", "incidents_router"]
+__all__ = ["RetryBody", "RetryStarted", "retry_router"]
 
 
 class RetryBody(BaseModel):
@@ -35,7 +35,7 @@ class RetryStarted(BaseModel):
     retry: int = Field(description="This incident's retry number, from 1.")
 
 
-def incidents_router(ledger: Ledger, trigger: IncidentTrigger, guard: Guard) -> APIRouter:
+def retry_router(ledger: Ledger, trigger: IncidentTrigger, guard: Guard) -> APIRouter:
     """The operator's incident actions, on the signed route class of the app."""
     router = APIRouter(route_class=signed_route_class(guard), responses=SIGNED_ERRORS)
 
