@@ -11,8 +11,8 @@
   the node;
 - :mod:`~recovery.kube.tokenreview` — :class:`TokenReviewer`, who a service-account token is.
 
-Telemetry's and the diagnostic rerun's Kubernetes backends live with their interfaces
-(:mod:`recovery.telemetry`, :mod:`recovery.kube.diagnosis`).
+Telemetry's Kubernetes backend (:class:`recovery.telemetry.KubeTelemetry`) lives with the
+parsers it feeds.
 """
 
 from recovery.kube.catalog import KubeJobCatalog
