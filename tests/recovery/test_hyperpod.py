@@ -11,16 +11,14 @@ import pytest
 from botocore.stub import Stubber
 
 from recovery.aws import moto_hyperpod
-from recovery.aws.hyperpod import (
-    INSTANCE_ID_LABEL,
+from recovery.aws.hyperpod import INSTANCE_ID_LABEL, HyperPod, sagemaker_client
+from recovery.aws.hyperpod_nodes import (
     AlreadyReplacing,
     AmbiguousReplacement,
     BatchAction,
-    HyperPod,
     MissingBaseline,
     NodeStatus,
     WaitTimeout,
-    sagemaker_client,
 )
 from recovery.aws.local import LocalAws, create_demo_cluster
 from recovery.errors import (

@@ -19,24 +19,22 @@ Retries: a task is retried (policy ``task_retries``, exponential backoff) only f
 :class:`recovery.errors.TemporaryError` or a :class:`db.LedgerTemporaryError`; anything else
 fails the stage at once, and the flow records the incident ``failed`` with the reason.
 
-The modules, one runbook step each: ``_common`` (the two records above, the stage decorator,
-the ledger helpers), ``_heartbeat`` (a running stage's claims renewed while it runs),
-``containment`` (triage's storm guard, stop, cordon, release), ``diagnosis`` (telemetry,
-rerun), ``approval`` (the decision), ``fix`` (replace or reboot), ``resume`` (quarantine,
-choose the checkpoint, resume). :mod:`flows.incident.flow` calls them in order.
+The modules, one runbook step each: ``_common`` (the two records above, the stage decorator),
+``_incident`` (reading and moving the incident), ``_heartbeat`` (a running stage's claims renewed
+while it runs), ``containment`` (triage's storm guard, stop, cordon, release), ``diagnosis``
+(telemetry, rerun), ``approval`` (the decision), ``fix`` (replace or reboot), ``resume``
+(quarantine, choose the checkpoint, resume). :mod:`flows.incident.flow` calls them in order.
 """
 
 from flows.incident.stages._common import (
     Action,
     Stage,
     StageTask,
-    close,
-    implicated_nodes,
-    nodes_to_fix,
     perform,
     record_stage,
     retry_on_temporary,
 )
+from flows.incident.stages._incident import close, implicated_nodes, nodes_to_fix
 from flows.incident.stages.approval import (
     AUTO_APPROVER,
     Decision,

@@ -27,13 +27,11 @@ from flows.incident.approval.form import (
 )
 from flows.incident.notify import NeedsHuman, needs_human
 from flows.incident.policy import AlarmEvidence, IncidentPolicy, StormCheck, auto_approval
-from flows.incident.stages._common import (
-    Stage,
-    StageOutcome,
+from flows.incident.stages._common import Stage, StageOutcome, record_stage
+from flows.incident.stages._incident import (
     advance,
     implicated_nodes,
     nodes_to_fix,
-    record_stage,
     verdict_of,
     with_evidence,
 )

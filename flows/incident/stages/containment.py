@@ -14,18 +14,8 @@ from typing import Any
 
 from db import IncidentState, IncidentView
 from flows.incident.policy import IncidentPolicy, StormCheck, storm_guard
-from flows.incident.stages._common import (
-    Action,
-    Stage,
-    StageOutcome,
-    advance,
-    alarm_suspects,
-    implicated_nodes,
-    log_extra,
-    perform,
-    stage,
-    with_evidence,
-)
+from flows.incident.stages._common import Action, Stage, StageOutcome, log_extra, perform, stage
+from flows.incident.stages._incident import advance, alarm_suspects, implicated_nodes, with_evidence
 from flows.incident.wiring import Backends, current_backends
 from recovery.errors import NotFoundError
 from recovery.nodes import ANNOTATION_CORDONED_BY, TAINT_KEY

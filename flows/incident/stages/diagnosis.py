@@ -9,14 +9,8 @@ from typing import Any
 
 from db import IncidentState, Verdict
 from flows.incident.policy import IncidentPolicy
-from flows.incident.stages._common import (
-    Stage,
-    StageOutcome,
-    advance,
-    implicated_nodes,
-    stage,
-    with_evidence,
-)
+from flows.incident.stages._common import Stage, StageOutcome, stage
+from flows.incident.stages._incident import advance, implicated_nodes, with_evidence
 from flows.incident.stages.resume import choose_checkpoint
 from flows.incident.wiring import current_backends
 from recovery.diagnosis.rerun import RerunRequest

@@ -19,19 +19,12 @@ from typing import Any
 
 from db import IncidentState, action_key
 from flows.incident.policy import IncidentPolicy, NodeAction
-from flows.incident.stages._common import (
-    Action,
-    Stage,
-    StageOutcome,
-    advance,
-    approved_nodes,
-    implicated_nodes,
-    perform,
-    stage,
-)
+from flows.incident.stages._common import Action, Stage, StageOutcome, perform, stage
+from flows.incident.stages._incident import advance, approved_nodes, implicated_nodes
 from flows.incident.stages.containment import uncordon
 from flows.incident.wiring import Backends, current_backends
-from recovery.aws.hyperpod import INSTANCE_ID_LABEL, AlreadyReplacing, NodeFailureCode, NodeStatus
+from recovery.aws.hyperpod import INSTANCE_ID_LABEL
+from recovery.aws.hyperpod_nodes import AlreadyReplacing, NodeFailureCode, NodeStatus
 from recovery.errors import NotFoundError
 
 __all__ = ["fix_nodes"]

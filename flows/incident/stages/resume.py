@@ -12,7 +12,8 @@ from typing import Any
 
 from db import ActionStatus, CheckpointStatus, CheckpointView, IncidentState, IncidentView
 from flows.incident.policy import IncidentPolicy
-from flows.incident.stages._common import Action, Stage, StageOutcome, advance, perform, stage
+from flows.incident.stages._common import Action, Stage, StageOutcome, perform, stage
+from flows.incident.stages._incident import advance
 from flows.incident.wiring import Backends, current_backends
 from recovery.errors import NotFoundError, PermanentError
 
