@@ -56,8 +56,8 @@ from sqlalchemy.engine import make_url
 
 from db import AlarmOutcome, Ledger, upgrade
 from detection.transport.signing import signed_headers
-from flows.trigger import NoTrigger
 from flows.webhook import create_app
+from flows.webhook.trigger import NoTrigger
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_URL = os.environ.get(

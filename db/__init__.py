@@ -32,9 +32,10 @@ from db.errors import (
     UnknownIncident,
     UnknownJob,
 )
-from db.ledger import Ledger, NonceClaim, Replayed
+from db.ledger import Ledger, NonceClaim, NonceReused
 from db.migrate import current_revision, downgrade, head_revision, schema_diff, upgrade
 from db.views import (
+    STAGE_KIND,
     ActionClaim,
     ActionEventView,
     ActionView,
@@ -46,10 +47,12 @@ from db.views import (
     IncidentView,
     RankIn,
     RankView,
+    action_key,
 )
 
 __all__ = [
     "DATABASE_URL_ENV",
+    "STAGE_KIND",
     "ActionClaim",
     "ActionEventView",
     "ActionStateError",
@@ -78,15 +81,16 @@ __all__ = [
     "LedgerTemporaryError",
     "LedgerUnavailable",
     "NonceClaim",
+    "NonceReused",
     "RankIn",
     "RankView",
-    "Replayed",
     "SchemaNotReady",
     "StaleRegistration",
     "UnknownAction",
     "UnknownIncident",
     "UnknownJob",
     "Verdict",
+    "action_key",
     "can_transition",
     "create_engine_for",
     "current_revision",

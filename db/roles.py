@@ -8,7 +8,7 @@ Invariants held by the database, not by our code:
   the runtime role and nothing more — no UPDATE, no DELETE, no TRUNCATE;
 * the state tables (jobs, ranks, incidents, checkpoints, actions) take INSERT, SELECT and
   UPDATE — a state moves, it is never deleted;
-* the replay store (``request_nonces``) also takes DELETE: expired nonces are pruned;
+* the nonce store (``request_nonces``) also takes DELETE: expired nonces are pruned;
 * the runtime role owns nothing, so it cannot drop or disable the append-only triggers, and a
   ``BEFORE TRUNCATE`` trigger refuses TRUNCATE even to the owner.
 """

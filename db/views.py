@@ -22,6 +22,7 @@ from db.enums import (
 )
 
 __all__ = [
+    "STAGE_KIND",
     "ActionClaim",
     "ActionEventView",
     "ActionView",
@@ -33,7 +34,16 @@ __all__ = [
     "IncidentView",
     "RankIn",
     "RankView",
+    "action_key",
 ]
+
+STAGE_KIND = "stage"
+"""The action kind of an incident flow's stage: its target is the stage's name."""
+
+
+def action_key(incident_id: str, kind: str, target: str) -> str:
+    """The idempotency key of an incident's action: one row per (incident, kind, target)."""
+    return f"{incident_id}:{kind}:{target}"
 
 
 def _jsonable(value: Any) -> Any:

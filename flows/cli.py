@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from flows.trigger import TriggerMode
+from flows.settings import TriggerMode
 
 app = typer.Typer(
     name="sdcguard",
@@ -75,9 +75,9 @@ def serve(
     """
     from db import SchemaNotReady
     from flows.logs import configure_logging
-    from flows.serve import serve as run_webhook
     from flows.settings import SettingsError, WebhookSettings, load_settings
     from flows.webhook.auth import AuthConfigError
+    from flows.webhook.serve import serve as run_webhook
 
     configure_logging()  # SDCGUARD_LOG_FORMAT=json in the container: JSON lines with context
     try:
@@ -120,7 +120,7 @@ def incidents(
     from rich.console import Console
 
     from db import IncidentState, Ledger
-    from flows.report import incidents_table
+    from flows.incident.report import incidents_table
 
     try:
         wanted = IncidentState(state) if state else None
@@ -177,7 +177,7 @@ def incident(
     from rich.console import Console
 
     from db import Ledger, LedgerError, UnknownIncident
-    from flows.report import incident_renderables
+    from flows.incident.report import incident_renderables
 
     url = _database_url(database_url)
     if incident_id == "retry":
@@ -212,8 +212,8 @@ def _retry(
     import json
 
     from db import Ledger, LedgerError
-    from flows.retry import retry_incident
-    from flows.trigger import IncidentTrigger, NoTrigger, PrefectTrigger, TriggerError
+    from flows.webhook.retry import retry_incident
+    from flows.webhook.trigger import IncidentTrigger, NoTrigger, PrefectTrigger, TriggerError
 
     if run not in ("prefect", "local", "none"):
         raise typer.BadParameter("one of prefect, local, none", param_hint="--run")
@@ -228,8 +228,8 @@ def _retry(
             raise typer.Exit(1) from err
     summary: dict[str, object] = {"incident_id": incident_id, "reopened_as": reopened.state.value}
     if run == "local":
-        from flows.incident import respond
-        from flows.wiring import build_backends, use_backends
+        from flows.incident.flow import respond
+        from flows.incident.wiring import build_backends, use_backends
 
         with use_backends(build_backends(database_url=url)):
             summary["result"] = respond(incident_id)
@@ -254,7 +254,7 @@ def _retry_outcome(run: str, summary: dict[str, object]) -> str:
 @contextlib.contextmanager
 def _exits_143_on_sigterm() -> Iterator[None]:
     """Turn the unwinding SIGTERM into the shell's 143, once everything inside has stopped."""
-    from flows.prefect_server import Terminated
+    from flows.local.prefect_server import Terminated
 
     try:
         yield
@@ -294,8 +294,8 @@ def replay_incident(
 
     from rich.console import Console
 
-    from flows.prefect_server import PrefectServerError, one_prefect_server, sigterm_raises
-    from flows.replay_incident import (
+    from flows.local.prefect_server import PrefectServerError, one_prefect_server, sigterm_raises
+    from flows.local.rehearsal import (
         REHEARSAL_NOTICE,
         RehearsalDecision,
         rehearsal_renderables,
@@ -358,8 +358,8 @@ def demo(
 
     The flow runs on the Prefect server at PREFECT_API_URL, or on one started for the demo
     (with its UI) and stopped when it ends, however it ends."""
-    from flows.demo import DemoConfig, DemoError, run_demo
-    from flows.prefect_server import PrefectServerError, one_prefect_server, sigterm_raises
+    from flows.local.demo import DemoConfig, DemoError, run_demo
+    from flows.local.prefect_server import PrefectServerError, one_prefect_server, sigterm_raises
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(sigterm_raises())

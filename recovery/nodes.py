@@ -8,10 +8,10 @@ cordoned whatever our incident decides. The record lives on the node (not only i
 so that a human running ``kubectl describe node`` sees who cordoned it and why.
 
 Both backends share the decisions: each operation is planned once, as a pure function of the
-node's current state (:class:`_NodeChange`), and then applied by :class:`KubeNodeOps` as a
-conditional patch (``metadata.resourceVersion`` precondition; a 409 re-reads and re-plans) or by
-:class:`LocalNodeOps` under the local cluster's file lock. The two backends therefore cannot
-drift apart in semantics.
+node's current state (:class:`NodeChange`), and then applied by
+:class:`~recovery.kube.nodes.KubeNodeOps` as a conditional patch (``metadata.resourceVersion``
+precondition; a 409 re-reads and re-plans) or by :class:`~recovery.local.nodes.LocalNodeOps` under
+the local cluster's file lock. The two backends therefore cannot drift apart in semantics.
 
 HyperPod (EKS) node recovery: labelling a node ``sagemaker.amazonaws.com/node-health-status`` with
 ``UnschedulablePendingReplacement`` or ``UnschedulablePendingReboot`` asks HyperPod to replace or
@@ -28,36 +28,31 @@ from __future__ import annotations
 import abc
 import logging
 import re
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
-
-from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError as Urllib3HTTPError
-
-from recovery import kube
-from recovery.cluster import LocalCluster, NodeInfo, NodeRecord, Taint
 
 __all__ = [
     "ANNOTATION_CORDONED_AT",
     "ANNOTATION_CORDONED_BY",
     "ANNOTATION_CORDON_REASON",
     "ANNOTATION_HEALTH_REQUESTED_BY",
+    "DEFAULT_CORDON_REASON",
     "HEALTH_LABEL",
+    "HYPERPOD_NODE_PREFIX",
     "LABEL_INCIDENT",
     "TAINT_EFFECT",
     "TAINT_KEY",
     "BlockedPod",
     "EvictionResult",
-    "KubeNodeOps",
-    "LocalNodeOps",
+    "NodeChange",
+    "NodeDirectory",
     "NodeHealth",
     "NodeInfo",
     "NodeOps",
+    "PlannedNodeOps",
     "Taint",
 ]
 
@@ -72,6 +67,8 @@ LABEL_INCIDENT = "sdcguard.io/incident"
 TAINT_KEY = "sdcguard.io/suspect"
 TAINT_EFFECT = "NoSchedule"
 HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
+HYPERPOD_NODE_PREFIX = "hyperpod-"
+"""HyperPod names each EKS node ``hyperpod-<instance id>``."""
 
 DEFAULT_CORDON_REASON = "suspected silent data corruption"
 
@@ -87,6 +84,43 @@ class NodeHealth(StrEnum):
     UNSCHEDULABLE = "Unschedulable"
     PENDING_REPLACEMENT = "UnschedulablePendingReplacement"
     PENDING_REBOOT = "UnschedulablePendingReboot"
+
+
+@dataclass(frozen=True)
+class Taint:
+    """A Kubernetes node taint (``key=value:effect``)."""
+
+    key: str
+    value: str
+    effect: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"key": self.key, "value": self.value, "effect": self.effect}
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> Taint:
+        return cls(
+            key=str(raw["key"]), value=str(raw.get("value") or ""), effect=str(raw["effect"])
+        )
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value}:{self.effect}"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A read-only view of one node, the same for the Kubernetes and the local backend.
+
+    ``instance_id`` is None only when a Kubernetes node does not name its EC2 instance.
+    """
+
+    name: str
+    instance_id: str | None
+    unschedulable: bool
+    taints: tuple[Taint, ...]
+    labels: Mapping[str, str] = field(hash=False)
+    annotations: Mapping[str, str] = field(hash=False)
+    ready: bool
 
 
 @dataclass(frozen=True)
@@ -121,7 +155,7 @@ class NodeOps(Protocol):
     """Side effects on cluster nodes, each idempotent and owned by one incident.
 
     Replacement has two channels that start the *same* HyperPod process: the node-health label
-    (:meth:`mark_for_replacement`) and ``BatchReplaceClusterNodes`` (``recovery.hyperpod``).
+    (:meth:`mark_for_replacement`) and ``BatchReplaceClusterNodes`` (``recovery.aws.hyperpod``).
     A caller must pick one channel per node and never use both, or one failure may be answered
     by two replacements.
     """
@@ -157,11 +191,29 @@ class NodeOps(Protocol):
     def evict_pods(self, node: str, label_selector: str | None = None) -> EvictionResult: ...
 
 
+class NodeDirectory(Protocol):
+    """Which nodes exist for the flow's purposes: spares to rerun on, and replacement joins.
+
+    A replaced instance comes back as a *new* node (EKS names it after the new instance; the
+    local cluster gives it the next free ``node-N``); the flow needs that name to resume the
+    job on it.
+    """
+
+    def spares(self, exclude: Collection[str]) -> list[str]:
+        """Healthy, schedulable spare nodes, none of ``exclude``."""
+        ...
+
+    def joined(self, old_node: str, new_instance_id: str, *, timeout_s: float) -> str:
+        """The node name under which ``new_instance_id`` (replacing ``old_node``) is ready,
+        waiting at most ``timeout_s`` (what is left of the policy's replacement timeout)."""
+        ...
+
+
 # -- shared decisions --------------------------------------------------------------------
 
 
 @dataclass
-class _NodeChange:
+class NodeChange:
     """A change to one node: None / absent means "leave as is"; a None map value removes."""
 
     unschedulable: bool | None = None
@@ -190,13 +242,13 @@ def _check_incident(incident_id: str) -> None:
 
 def _plan_cordon(
     info: NodeInfo, incident_id: str, reason: str, now: str
-) -> tuple[_NodeChange, bool]:
+) -> tuple[NodeChange, bool]:
     if info.unschedulable:
         # Already cordoned — by this incident (a retry), by another incident, or by somebody
         # else. In every case taking ownership now would let our uncordon undo a cordon that
         # is not ours.
-        return _NodeChange(), False
-    change = _NodeChange(
+        return NodeChange(), False
+    change = NodeChange(
         unschedulable=True,
         labels={LABEL_INCIDENT: incident_id},
         annotations={
@@ -208,17 +260,17 @@ def _plan_cordon(
     return change, True
 
 
-def _plan_taint(info: NodeInfo, incident_id: str) -> tuple[_NodeChange, bool]:
+def _plan_taint(info: NodeInfo, incident_id: str) -> tuple[NodeChange, bool]:
     # Kubernetes keeps one taint per (key, effect); a suspect taint of another incident already
     # keeps new pods away, so it is left as it is.
     if any(t.key == TAINT_KEY and t.effect == TAINT_EFFECT for t in info.taints):
-        return _NodeChange(), False
+        return NodeChange(), False
     taint = Taint(key=TAINT_KEY, value=incident_id, effect=TAINT_EFFECT)
-    return _NodeChange(taints=(*info.taints, taint)), True
+    return NodeChange(taints=(*info.taints, taint)), True
 
 
-def _plan_uncordon(info: NodeInfo, incident_id: str) -> tuple[_NodeChange, bool]:
-    change = _NodeChange()
+def _plan_uncordon(info: NodeInfo, incident_id: str) -> tuple[NodeChange, bool]:
+    change = NodeChange()
     ours = info.annotations.get(ANNOTATION_CORDONED_BY) == incident_id
     if ours:
         change.annotations = {
@@ -237,15 +289,15 @@ def _plan_uncordon(info: NodeInfo, incident_id: str) -> tuple[_NodeChange, bool]
     return change, uncordoned
 
 
-def _plan_health(info: NodeInfo, incident_id: str, wanted: NodeHealth) -> tuple[_NodeChange, bool]:
+def _plan_health(info: NodeInfo, incident_id: str, wanted: NodeHealth) -> tuple[NodeChange, bool]:
     current = info.labels.get(HEALTH_LABEL)
     if current == wanted.value:
-        return _NodeChange(), False
+        return NodeChange(), False
     if wanted is NodeHealth.PENDING_REBOOT and current == NodeHealth.PENDING_REPLACEMENT.value:
         # A replacement is already under way: a reboot request would at best be ignored and at
         # worst cancel it.
-        return _NodeChange(), False
-    change = _NodeChange(
+        return NodeChange(), False
+    change = NodeChange(
         labels={HEALTH_LABEL: wanted.value},
         annotations={ANNOTATION_HEALTH_REQUESTED_BY: incident_id},
     )
@@ -256,10 +308,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-# -- Kubernetes backend ------------------------------------------------------------------
-
-
-class _PlannedNodeOps(abc.ABC):
+class PlannedNodeOps(abc.ABC):
     """The node changes both backends make, written once: each verb is a pure plan over the
     node's current state (``_plan_*``); a backend only knows how to read and write a node."""
 
@@ -298,7 +347,7 @@ class _PlannedNodeOps(abc.ABC):
         node: str,
         verb: str,
         incident_id: str,
-        plan: Callable[[NodeInfo], tuple[_NodeChange, bool]],
+        plan: Callable[[NodeInfo], tuple[NodeChange, bool]],
     ) -> bool:
         _check_incident(incident_id)
         done = self._change(node, verb, incident_id, plan)
@@ -311,223 +360,9 @@ class _PlannedNodeOps(abc.ABC):
         node: str,
         verb: str,
         incident_id: str,
-        plan: Callable[[NodeInfo], tuple[_NodeChange, bool]],
+        plan: Callable[[NodeInfo], tuple[NodeChange, bool]],
     ) -> bool:
         """Apply ``plan`` to the node's current state; return what the plan says was done."""
-
-
-class KubeNodeOps(_PlannedNodeOps):
-    """:class:`NodeOps` on a real cluster through the official Kubernetes client.
-
-    Needs RBAC: ``get``/``patch`` on ``nodes``, ``list`` on ``pods`` (all namespaces) and
-    ``create`` on ``pods/eviction``.
-    """
-
-    def __init__(
-        self,
-        api_client: k8s.ApiClient,
-        *,
-        conflict_retries: int = 5,
-        conflict_backoff_s: float = 0.05,
-        eviction_retries: int = 5,
-        eviction_backoff_s: float = 1.0,
-        eviction_max_backoff_s: float = 30.0,
-        sleep: Callable[[float], None] = time.sleep,
-        cordon_reason: str = DEFAULT_CORDON_REASON,
-    ) -> None:
-        self._core = k8s.CoreV1Api(api_client)
-        self._conflict_retries = conflict_retries
-        self._conflict_backoff_s = conflict_backoff_s
-        self._eviction_retries = eviction_retries
-        self._eviction_backoff_s = eviction_backoff_s
-        self._eviction_max_backoff_s = eviction_max_backoff_s
-        self._sleep = sleep
-        self._cordon_reason = cordon_reason
-
-    def get(self, node: str) -> NodeInfo:
-        raw = kube.call("get", f"node/{node}", lambda: self._core.read_node(node))
-        return _node_info(raw)
-
-    def evict_pods(self, node: str, label_selector: str | None = None) -> EvictionResult:
-        """Evict every pod on ``node`` through the Eviction API, honouring PodDisruptionBudgets.
-
-        A 429 from a budget is retried in rounds with exponential backoff, at most
-        ``eviction_retries`` more times; pods still refused are returned as ``blocked`` (never
-        deleted around the budget). A 404 means the pod is already gone, which counts as
-        evicted. Any other failure raises: a later call simply evicts what is left.
-        """
-        target = f"node/{node}"
-        pods = kube.call(
-            "evict",
-            target,
-            lambda: self._core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={node}", label_selector=label_selector
-            ),
-        )
-        pending: list[tuple[str, str]] = []
-        skipped: list[str] = []
-        for pod in pods.items or []:
-            meta = pod.metadata
-            if meta is None or not meta.name or not meta.namespace:
-                continue  # the API server never returns a pod without name and namespace
-            if _not_evictable(meta):
-                skipped.append(f"{meta.namespace}/{meta.name}")
-            else:
-                pending.append((meta.namespace, meta.name))
-        evicted: list[str] = []
-        refusals: dict[str, str] = {}
-        attempts: dict[str, int] = {}
-        delay = self._eviction_backoff_s
-        for round_number in range(self._eviction_retries + 1):
-            still_blocked: list[tuple[str, str]] = []
-            for namespace, name in pending:
-                ref = f"{namespace}/{name}"
-                attempts[ref] = attempts.get(ref, 0) + 1
-                refusal = self._evict_one(node, namespace, name)
-                if refusal is None:
-                    evicted.append(ref)
-                else:
-                    refusals[ref] = refusal
-                    still_blocked.append((namespace, name))
-            pending = still_blocked
-            if not pending or round_number == self._eviction_retries:
-                break
-            log.info(
-                "%d pod(s) on %s held by a disruption budget; retrying in %.2fs",
-                len(pending),
-                node,
-                delay,
-                extra={"node": node},
-            )
-            self._sleep(delay)
-            delay = min(self._eviction_max_backoff_s, delay * 2)
-        blocked = tuple(
-            BlockedPod(
-                pod=f"{ns}/{n}", reason=refusals[f"{ns}/{n}"], attempts=attempts[f"{ns}/{n}"]
-            )
-            for ns, n in pending
-        )
-        if blocked:
-            log.warning(
-                "eviction from %s blocked for %s",
-                node,
-                ", ".join(b.pod for b in blocked),
-                extra={"node": node},
-            )
-        return EvictionResult(
-            node=node, evicted=tuple(evicted), blocked=blocked, skipped=tuple(skipped)
-        )
-
-    # -- internals ---------------------------------------------------------------------
-
-    def _evict_one(self, node: str, namespace: str, name: str) -> str | None:
-        """Evict one pod; None if it is gone now, else the budget's refusal message."""
-        body = k8s.V1Eviction(
-            api_version="policy/v1",
-            kind="Eviction",
-            metadata=k8s.V1ObjectMeta(name=name, namespace=namespace),
-        )
-        try:
-            self._core.create_namespaced_pod_eviction(name, namespace, body)
-        except ApiException as err:
-            if err.status == 404:
-                return None
-            if err.status == 429:
-                return kube.status_message(err)
-            raise kube.translate(err, verb="evict", target=f"pod/{namespace}/{name}") from err
-        except (Urllib3HTTPError, OSError) as err:
-            raise kube.translate(err, verb="evict", target=f"pod/{namespace}/{name}") from err
-        log.info("evicted %s/%s from %s", namespace, name, node, extra={"node": node})
-        return None
-
-    def _change(
-        self,
-        node: str,
-        verb: str,
-        incident_id: str,
-        plan: Callable[[NodeInfo], tuple[_NodeChange, bool]],
-    ) -> bool:
-        extra = {"node": node, "incident": incident_id}
-
-        def attempt() -> bool:
-            raw = self._core.read_node(node)
-            change, result = plan(_node_info(raw))
-            if change.is_empty():
-                return result
-            body = _patch_body(change, raw.metadata.resource_version if raw.metadata else None)
-            self._core.patch_node(
-                node, body, _content_type="application/strategic-merge-patch+json"
-            )
-            return result
-
-        return kube.retry_on_conflict(
-            verb,
-            f"node/{node}",
-            attempt,
-            retries=self._conflict_retries,
-            backoff_s=self._conflict_backoff_s,
-            sleep=self._sleep,
-            extra=extra,
-        )
-
-
-def _patch_body(change: _NodeChange, resource_version: str | None) -> dict[str, Any]:
-    # The resourceVersion turns the patch into a compare-and-swap: if the node changed since we
-    # read it, the server answers 409 and we decide again. Taints have no merge key, so the
-    # strategic merge replaces the whole list — which is why they need that precondition most.
-    metadata: dict[str, Any] = {}
-    if resource_version:
-        metadata["resourceVersion"] = resource_version
-    if change.labels:
-        metadata["labels"] = dict(change.labels)
-    if change.annotations:
-        metadata["annotations"] = dict(change.annotations)
-    body: dict[str, Any] = {"metadata": metadata}
-    spec: dict[str, Any] = {}
-    if change.unschedulable is not None:
-        spec["unschedulable"] = change.unschedulable
-    if change.taints is not None:
-        spec["taints"] = [t.to_dict() for t in change.taints]
-    if spec:
-        body["spec"] = spec
-    return body
-
-
-def _node_info(raw: Any) -> NodeInfo:
-    meta = raw.metadata
-    spec = raw.spec
-    status = raw.status
-    taints = tuple(
-        Taint(key=t.key, value=t.value or "", effect=t.effect)
-        for t in ((spec.taints if spec else None) or [])
-    )
-    conditions = (status.conditions if status else None) or []
-    ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
-    return NodeInfo(
-        name=meta.name,
-        instance_id=_instance_id(meta.name, spec.provider_id if spec else None),
-        unschedulable=bool(spec.unschedulable) if spec else False,
-        taints=taints,
-        labels=dict(meta.labels or {}),
-        annotations=dict(meta.annotations or {}),
-        ready=ready,
-    )
-
-
-def _instance_id(name: str, provider_id: str | None) -> str | None:
-    # EKS: spec.providerID = aws:///<az>/<instance-id>; HyperPod names nodes hyperpod-<instance>.
-    if provider_id:
-        last = provider_id.rstrip("/").rsplit("/", 1)[-1]
-        if last.startswith("i-"):
-            return last
-    match = _HYPERPOD_NODE_NAME.match(name)
-    return match.group(1) if match else None
-
-
-def _not_evictable(meta: Any) -> bool:
-    if (meta.annotations or {}).get("kubernetes.io/config.mirror"):
-        return True
-    return any(ref.kind == "DaemonSet" for ref in (meta.owner_references or []))
 
 
 def _log_outcome(verb: str, node: str, incident_id: str, done: bool) -> None:
@@ -538,56 +373,3 @@ def _log_outcome(verb: str, node: str, incident_id: str, done: bool) -> None:
         "done" if done else "nothing to do",
         extra={"node": node, "incident": incident_id},
     )
-
-
-# -- local backend -----------------------------------------------------------------------
-
-
-class LocalNodeOps(_PlannedNodeOps):
-    """:class:`NodeOps` on the simulated cluster, with exactly the decisions of
-    :class:`KubeNodeOps`. The simulated cluster runs no pods (local training processes are
-    controlled by ``recovery.jobs.LocalJobControl``), so eviction finds nothing to evict."""
-
-    def __init__(
-        self, cluster: LocalCluster, *, cordon_reason: str = DEFAULT_CORDON_REASON
-    ) -> None:
-        self._cluster = cluster
-        self._cordon_reason = cordon_reason
-
-    def get(self, node: str) -> NodeInfo:
-        return self._cluster.node(node)
-
-    def evict_pods(self, node: str, label_selector: str | None = None) -> EvictionResult:
-        self._cluster.node(node, verb="evict")  # same NotFoundError as the real backend
-        return EvictionResult(node=node)
-
-    def _change(
-        self,
-        node: str,
-        verb: str,
-        incident_id: str,
-        plan: Callable[[NodeInfo], tuple[_NodeChange, bool]],
-    ) -> bool:
-        def apply(record: NodeRecord) -> bool:
-            change, result = plan(record.info())
-            _apply(record, change)
-            return result
-
-        return self._cluster.update(node, apply, verb=verb)
-
-
-def _apply(record: NodeRecord, change: _NodeChange) -> None:
-    if change.unschedulable is not None:
-        record.unschedulable = change.unschedulable
-    _merge(record.labels, change.labels)
-    _merge(record.annotations, change.annotations)
-    if change.taints is not None:
-        record.taints = list(change.taints)
-
-
-def _merge(target: dict[str, str], changes: Mapping[str, str | None]) -> None:
-    for key, value in changes.items():
-        if value is None:
-            target.pop(key, None)
-        else:
-            target[key] = value

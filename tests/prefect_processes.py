@@ -23,7 +23,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.approval import flow_run_name
+from flows.incident.approval.form import flow_run_name
 
 __all__ = [
     "PREFECT",

@@ -20,7 +20,7 @@ The package holds one module per job, each a mixin of :class:`Ledger` over the t
 helpers in ``_base``: ``jobs`` (jobs, rank registration), ``alarms`` (recording, batching,
 validation), ``checkpoints`` (checkpoints, audits, quarantine, resume candidates),
 ``incidents`` (incidents, transitions, listing), ``actions`` (claims and outcomes),
-``nonces`` (the replay store of signed requests) and ``pages`` (incidents a page at a time).
+``nonces`` (the nonce store of signed requests) and ``pages`` (incidents a page at a time).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from db.ledger.alarms import AlarmsMixin
 from db.ledger.checkpoints import CheckpointsMixin
 from db.ledger.incidents import IncidentsMixin
 from db.ledger.jobs import JobsMixin
-from db.ledger.nonces import NonceClaim, NoncesMixin, Replayed
+from db.ledger.nonces import NonceClaim, NonceReused, NoncesMixin
 from db.ledger.pages import IncidentPage, PagesMixin
 from db.views import (
     ActionClaim,
@@ -63,9 +63,9 @@ __all__ = [
     "IncidentView",
     "Ledger",
     "NonceClaim",
+    "NonceReused",
     "RankIn",
     "RankView",
-    "Replayed",
 ]
 
 

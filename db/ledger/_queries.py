@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sqlalchemy import Select, exists, select
 from sqlalchemy.orm import Session
@@ -126,14 +126,27 @@ def _new_incident(
     )
     s.add(row)
     s.flush()  # a rival's open incident for this job surfaces here, as a unique violation
+    _append_event(s, row, None, IncidentState.OPEN, reason, None, now)
+    return row
+
+
+def _append_event(
+    s: Session,
+    row: IncidentRow,
+    from_state: IncidentState | None,
+    to_state: IncidentState,
+    reason: str | None,
+    detail: dict[str, Any] | None,
+    at: datetime,
+) -> None:
+    """One row of the incident's append-only history: a state change, or a change in place."""
     s.add(
         IncidentEventRow(
             incident_id=row.id,
-            from_state=None,
-            to_state=IncidentState.OPEN,
+            from_state=from_state,
+            to_state=to_state,
             reason=reason,
-            detail=None,
-            at=now,
+            detail=detail,
+            at=at,
         )
     )
-    return row

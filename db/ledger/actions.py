@@ -25,7 +25,7 @@ from db.ledger._queries import _action, _require_incident
 from db.ledger._validate import _json_dict, _parse_enum, _require_text
 from db.ledger._views import _action_event_view, _action_view, _action_views
 from db.models import ActionEventRow, ActionRow
-from db.views import ActionClaim, ActionEventView, ActionView
+from db.views import ActionClaim, ActionEventView, ActionView, action_key
 
 
 class ActionsMixin(LedgerBase):
@@ -65,7 +65,7 @@ class ActionsMixin(LedgerBase):
             raise InvalidValue(f"action kind must not contain ':': {kind!r}")
         _require_text("target", target)
         claim_detail = None if detail is None else _json_dict("detail", detail)
-        key = f"{incident_id}:{kind}:{target}"
+        key = action_key(incident_id, kind, target)
         if lease_s is not None and lease_s <= 0:
             raise InvalidValue(f"lease_s must be positive, not {lease_s!r}")
 

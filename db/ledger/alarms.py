@@ -24,7 +24,7 @@ from db.errors import AlarmConflict, InvalidValue
 from db.ledger._base import LedgerBase, _log
 from db.ledger._queries import _active_incidents, _chunks, _evidence_kinds, _new_incident
 from db.ledger._validate import _as_utc, _validate_alarm
-from db.ledger.nonces import NonceClaim, Replayed, claim_in, prune_nonces, validate_claims
+from db.ledger.nonces import NonceClaim, NonceReused, claim_in, prune_nonces, validate_claims
 from db.models import AlarmRow, AuditRow, IncidentRow, JobRow, RankRow
 from db.views import AlarmIn, AlarmOutcome
 
@@ -91,14 +91,14 @@ class AlarmsMixin(LedgerBase):
         *,
         keep: timedelta,
         prune: bool = False,
-    ) -> list[AlarmOutcome | Replayed]:
+    ) -> list[AlarmOutcome | NonceReused]:
         """:meth:`record_alarms` for requests, each alarm recorded only if its nonce is fresh.
 
         ``nonces[i]`` is the ``(nonce, key_id)`` of the request that carried ``alarms[i]``
         (``None``: a request without one, always fresh). In the same transaction as the alarms,
         each nonce is claimed (:func:`db.ledger.nonces.claim_in`); an alarm whose nonce was
         claimed before — by an earlier request, or earlier in this batch — is not recorded and
-        its outcome is :class:`Replayed`. So a nonce is consumed exactly when its alarm's
+        its outcome is :class:`NonceReused`. So a nonce is consumed exactly when its alarm's
         outcome commits: a batch that fails or rolls back consumes none, and a replay of it is
         answered as the original would be. ``prune`` also deletes nonces older than ``keep``
         (table size only; a claim takes an expired nonce over anyway).
@@ -119,7 +119,7 @@ class AlarmsMixin(LedgerBase):
         if not batch:
             return []
 
-        def work(s: Session) -> tuple[list[AlarmIn], list[AlarmOutcome | Replayed]]:
+        def work(s: Session) -> tuple[list[AlarmIn], list[AlarmOutcome | NonceReused]]:
             now = self._clock()
             if prune:
                 prune_nonces(s, now - keep)
@@ -128,13 +128,13 @@ class AlarmsMixin(LedgerBase):
             taken = [claim is None or next(fresh) for claim in claims]
             kept = [alarm for alarm, ok in zip(batch, taken, strict=True) if ok]
             recorded = iter(self._record_alarms(s, kept) if kept else [])
-            results: list[AlarmOutcome | Replayed] = []
+            results: list[AlarmOutcome | NonceReused] = []
             for claim, ok in zip(claims, taken, strict=True):
                 if ok:
                     results.append(next(recorded))
                 else:
                     assert claim is not None
-                    results.append(Replayed(*claim))
+                    results.append(NonceReused(*claim))
             return kept, results
 
         kept, results = self._write("record_alarms", work)

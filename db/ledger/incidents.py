@@ -13,7 +13,7 @@ withdrew what and why.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import select
@@ -21,8 +21,15 @@ from sqlalchemy.orm import Session
 
 from db.enums import ActionStatus, IncidentState, Verdict, can_transition
 from db.errors import IllegalTransition, IncidentConflict, InvalidValue
+from db.evidence import (
+    APPROVAL,
+    APPROVAL_STAGE,
+    approval_deadline,
+    approved_nodes,
+    without_approval,
+)
 from db.ledger._base import LedgerBase, _log
-from db.ledger._queries import _active_incident, _new_incident, _require_incident
+from db.ledger._queries import _active_incident, _append_event, _new_incident, _require_incident
 from db.ledger._validate import (
     _json_dict,
     _jsonable_updates,
@@ -33,7 +40,7 @@ from db.ledger._validate import (
 )
 from db.ledger._views import _incident_view, _incident_views
 from db.models import ActionEventRow, ActionRow, IncidentEventRow, IncidentRow
-from db.views import IncidentView
+from db.views import STAGE_KIND, IncidentView, action_key
 
 
 class IncidentsMixin(LedgerBase):
@@ -167,16 +174,7 @@ class IncidentsMixin(LedgerBase):
                 if target.terminal:
                     row.closed_at = now
             row.updated_at = now
-            s.add(
-                IncidentEventRow(
-                    incident_id=row.id,
-                    from_state=current,
-                    to_state=target,
-                    reason=reason,
-                    detail=_jsonable_updates(updates) or None,
-                    at=now,
-                )
-            )
+            _append_event(s, row, current, target, reason, _jsonable_updates(updates) or None, now)
             s.flush()
             return _incident_view(s, row)
 
@@ -241,16 +239,7 @@ class IncidentsMixin(LedgerBase):
             row.closed_at = None
             row.reason = f"retried by {who}: {why}"
             row.updated_at = now
-            s.add(
-                IncidentEventRow(
-                    incident_id=row.id,
-                    from_state=current,
-                    to_state=back,
-                    reason=row.reason,
-                    detail={"retry": retries, "by": who},
-                    at=now,
-                )
-            )
+            _append_event(s, row, current, back, row.reason, {"retry": retries, "by": who}, now)
             s.flush()
             return _incident_view(s, row)
 
@@ -285,25 +274,17 @@ class IncidentsMixin(LedgerBase):
                     current,
                     "only a decision recorded while awaiting approval can be withdrawn",
                 )
-            evidence = dict(row.evidence or {})
             withdrawn = {
                 "decision": row.decision,
                 "approver": row.approver,
-                "nodes": list((evidence.get("approval") or {}).get("nodes") or []),
+                "nodes": approved_nodes(row.evidence),
             }
             now = self._clock()
             _clear_decision(s, row, now, outcome=f"decision withdrawn: {why}")
             row.reason = f"decision withdrawn by {who}: {why}"
             row.updated_at = now
-            s.add(
-                IncidentEventRow(
-                    incident_id=row.id,
-                    from_state=current,
-                    to_state=current,
-                    reason=row.reason,
-                    detail={"withdrawn": withdrawn, "by": who},
-                    at=now,
-                )
+            _append_event(
+                s, row, current, current, row.reason, {"withdrawn": withdrawn, "by": who}, now
             )
             s.flush()
             return _incident_view(s, row)
@@ -332,14 +313,13 @@ class IncidentsMixin(LedgerBase):
 
         def work(s: Session) -> IncidentView | None:
             row = _require_incident(s, incident_id, lock=True)
-            request = (row.evidence or {}).get("approval_request") or {}
+            deadline = approval_deadline(row.evidence)
             if (
                 row.state != IncidentState.AWAITING_APPROVAL
                 or row.decision is not None
-                or not request.get("deadline")
+                or deadline is None
             ):
                 return None
-            deadline = datetime.fromisoformat(str(request["deadline"]))
             now = self._clock()
             if now < deadline + timedelta(seconds=grace_s):
                 return None
@@ -357,19 +337,18 @@ class IncidentsMixin(LedgerBase):
             row.decision = "expire"
             row.approval_reason = why
             row.decided_at = now
-            row.evidence = {**(row.evidence or {}), "approval": record}
+            row.evidence = {**(row.evidence or {}), APPROVAL: record}
             row.state = IncidentState.EXPIRED
             row.reason = why
             row.closed_at = row.updated_at = now
-            s.add(
-                IncidentEventRow(
-                    incident_id=row.id,
-                    from_state=IncidentState.AWAITING_APPROVAL,
-                    to_state=IncidentState.EXPIRED,
-                    reason=why,
-                    detail={"decision": "expire", "deadline": deadline.isoformat()},
-                    at=now,
-                )
+            _append_event(
+                s,
+                row,
+                IncidentState.AWAITING_APPROVAL,
+                IncidentState.EXPIRED,
+                why,
+                {"decision": "expire", "deadline": deadline.isoformat()},
+                now,
             )
             s.flush()
             return _incident_view(s, row)
@@ -390,17 +369,15 @@ def _clear_decision(s: Session, row: IncidentRow, now: Any, *, outcome: str) -> 
     approval stage, so the next run asks a human afresh (new nodes, new deadline)."""
     row.decision = row.approver = row.approval_reason = None
     row.decided_at = None
-    row.evidence = {
-        k: v for k, v in (row.evidence or {}).items() if k not in ("approval", "approval_request")
-    }
-    _reopen_stage(s, row.id, "approval", now, outcome=outcome)
+    row.evidence = without_approval(row.evidence)
+    _reopen_stage(s, row.id, APPROVAL_STAGE, now, outcome=outcome)
 
 
 def _reopen_stage(
     s: Session, incident_id: str, stage: str, now: Any, *, outcome: str = "reopened by a retry"
 ) -> None:
     """Mark a succeeded stage ``failed`` ("reopened"), so the next run performs it again."""
-    row = s.get(ActionRow, f"{incident_id}:stage:{stage}")
+    row = s.get(ActionRow, action_key(incident_id, STAGE_KIND, stage))
     if row is None or row.status != ActionStatus.SUCCEEDED:
         return
     row.status = ActionStatus.FAILED

@@ -1,4 +1,4 @@
-"""The replay store: each signed request's nonce is claimed once, by whichever replica sees it.
+"""The nonce store: each signed request's nonce is claimed once, by whichever replica sees it.
 
 Invariant: a nonce is claimed (``True``) exactly once while it is kept — across threads,
 processes and webhook replicas, since the claim is a row under a primary key in the shared
@@ -32,7 +32,14 @@ from db.errors import InvalidValue
 from db.ledger._base import LedgerBase
 from db.models import RequestNonceRow
 
-__all__ = ["NonceClaim", "NoncesMixin", "Replayed", "claim_in", "prune_nonces", "validate_claims"]
+__all__ = [
+    "NonceClaim",
+    "NonceReused",
+    "NoncesMixin",
+    "claim_in",
+    "prune_nonces",
+    "validate_claims",
+]
 
 NonceClaim = tuple[str, str]
 """``(nonce, key_id)`` of one request: the key id is kept beside the nonce for the record."""
@@ -43,7 +50,7 @@ _NONCES = cast(Table, RequestNonceRow.__table__)
 
 
 @dataclass(frozen=True)
-class Replayed:
+class NonceReused:
     """The outcome of a request whose nonce was claimed before: refuse it, nothing was written."""
 
     nonce: str
@@ -79,7 +86,7 @@ def claim_in(
     dialect = s.get_bind().dialect.name
     insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
     # Taking over an expired nonce is a DELETE then an INSERT, never ``ON CONFLICT DO
-    # UPDATE``: the runtime role holds INSERT and DELETE on the replay store, not UPDATE
+    # UPDATE``: the runtime role holds INSERT and DELETE on the nonce store, not UPDATE
     # (db/roles.py). A rival deleting the same expired row waits for ours, then finds it gone
     # and loses at the INSERT, which sees our committed row. One statement text for every
     # batch (the rows an executemany that SQLAlchemy sends as multi-row VALUES): compiled
@@ -107,7 +114,7 @@ def claim_in(
 
 
 class NoncesMixin(LedgerBase):
-    """:class:`db.ledger.Ledger`'s replay store."""
+    """:class:`db.ledger.Ledger`'s nonce store."""
 
     def claim_nonces(self, claims: Sequence[NonceClaim], *, keep: timedelta) -> list[bool]:
         """Claim each ``(nonce, key_id)`` in a transaction of its own; ``True`` where this call

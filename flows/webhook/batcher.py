@@ -12,7 +12,7 @@ unchanged: its own outcome, its own status, the trigger fired once for the alarm
 the incident.
 
 Each request's nonce rides with its alarm and is claimed in the batch's own transaction
-(``Ledger.record_fresh_alarms``): a replayed request is answered ``Replayed`` (the endpoint's
+(``Ledger.record_fresh_alarms``): a replayed request is answered ``NonceReused`` (the endpoint's
 401) with nothing written, and a nonce is consumed exactly when its alarm's outcome commits —
 a batch that fails consumes none, so its re-sent alarms are not taken for replays. One
 transaction per batch, where a separate nonce claim would be a second commit per request.
@@ -37,10 +37,10 @@ from db import (
     LedgerTemporaryError,
     LedgerUnavailable,
     NonceClaim,
-    Replayed,
+    NonceReused,
     SchemaNotReady,
 )
-from flows.trigger import TriggerDispatcher
+from flows.webhook.trigger import TriggerDispatcher
 
 __all__ = ["DEFAULT_ALARM_BATCH", "AlarmBatcher", "AlarmQueue", "InThread"]
 
@@ -78,7 +78,7 @@ class AlarmQueue:
     accepting: bool
 
 
-_Result = AlarmOutcome | Replayed
+_Result = AlarmOutcome | NonceReused
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class AlarmBatcher:
 
     async def record(self, alarm: AlarmIn, nonce: NonceClaim | None = None) -> _Result:
         """Queue ``alarm`` (sent with ``nonce``) for the next batch; wait for its own outcome,
-        :class:`db.Replayed` when the nonce was used before (then nothing was written)."""
+        :class:`db.NonceReused` when the nonce was used before (then nothing was written)."""
         if self._closing or self._task is None or self._task.done():
             raise LedgerUnavailable("the webhook is not accepting alarms now; send it again")
         future: asyncio.Future[_Result] = asyncio.get_running_loop().create_future()

@@ -16,7 +16,7 @@ Order of checks, each one before the next is allowed to look at the body:
    (:mod:`flows.webhook.models`): 422 naming the field.
 
 The endpoint then calls :func:`admit` before it writes: the caller's scope must cover the job
-(403), and the request's nonce is claimed in the replay store (401 on a second use). The alarm
+(403), and the request's nonce is claimed in the nonce store (401 on a second use). The alarm
 endpoint calls :func:`authorize` instead (the same checks without the claim) and hands the
 nonce to the alarm batch, which claims it in the transaction that records the alarm. Reads use
 :func:`authenticate_read`: the same signature (empty body) or a bearer token, ``reader`` role.
@@ -51,7 +51,7 @@ from detection.transport.signing import (
 )
 from flows.webhook.auth import Credentials, Principal, Role, uri_under_prefix
 from flows.webhook.batcher import InThread
-from flows.webhook.replay import ReplayStore
+from flows.webhook.nonces import NonceStore
 from recovery.errors import RecoveryError
 
 __all__ = [
@@ -116,7 +116,7 @@ class Guard:
 
 @dataclass(frozen=True)
 class Caller:
-    """An authenticated request: who sent it, and the nonce the replay store must see once."""
+    """An authenticated request: who sent it, and the nonce the nonce store must see once."""
 
     principal: Principal
     nonce: str | None
@@ -222,7 +222,7 @@ def authorize(request: Request, job_id: str, *, checkpoint_uri: str | None = Non
 
 
 async def admit(
-    request: Request, job_id: str, replay: ReplayStore, *, checkpoint_uri: str | None = None
+    request: Request, job_id: str, nonces: NonceStore, *, checkpoint_uri: str | None = None
 ) -> Principal:
     """Let the signed request write for ``job_id``, or raise :class:`Refused`.
 
@@ -231,7 +231,7 @@ async def admit(
     before its first write.
     """
     caller = authorize(request, job_id, checkpoint_uri=checkpoint_uri)
-    if caller.nonce is not None and not await replay.claim(caller.nonce, caller.key_id):
+    if caller.nonce is not None and not await nonces.claim(caller.nonce, caller.key_id):
         raise Refused(401, REPLAYED)
     return caller.principal
 

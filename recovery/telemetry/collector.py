@@ -32,7 +32,7 @@ from recovery.errors import (
     RecoveryError,
     TemporaryError,
 )
-from recovery.kube import translate
+from recovery.kube.client import translate
 from recovery.telemetry.dcgm_exporter import ExporterScrape, parse_dcgm_exporter
 from recovery.telemetry.dcgmi_diag import DiagReport, parse_dcgmi_diag
 from recovery.telemetry.errors import TelemetryToolError

@@ -1,4 +1,4 @@
-"""The replay store: each nonce claimed once, across ledgers on one database, until it expires;
+"""The nonce store: each nonce claimed once, across ledgers on one database, until it expires;
 and alarms recorded with their request's nonce claimed in the same transaction."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from db import AlarmConflict, AlarmIn, AlarmOutcome, Ledger, Replayed
+from db import AlarmConflict, AlarmIn, AlarmOutcome, Ledger, NonceReused
 
 KEEP = timedelta(minutes=11)
 
@@ -50,15 +50,15 @@ def _alarm(rank: int, alarm_id: str | None = None, step: int = 7) -> AlarmIn:
 def test_an_alarm_is_recorded_only_with_a_fresh_nonce_claimed_in_its_transaction(
     database_url: str,
 ) -> None:
-    """A nonce used before, or twice in one batch, is ``Replayed`` and its alarm not written;
+    """A nonce used before, or twice in one batch, is ``NonceReused`` and its alarm not written;
     the nonce of a recorded alarm is claimed for every other caller too."""
     with Ledger.from_url(database_url) as ledger, Ledger.from_url(database_url) as other:
         assert ledger.claim_nonces([("used" * 8, "k")], keep=KEEP) == [True]
         alarms = [_alarm(0), _alarm(1), _alarm(2), _alarm(3)]
         nonces = [("used" * 8, "k"), ("n1" * 16, "k"), ("n1" * 16, "k"), None]
         results = ledger.record_fresh_alarms(alarms, nonces, keep=KEEP)
-        assert results[0] == Replayed("used" * 8, "k")
-        assert results[2] == Replayed("n1" * 16, "k")
+        assert results[0] == NonceReused("used" * 8, "k")
+        assert results[2] == NonceReused("n1" * 16, "k")
         assert isinstance(results[1], AlarmOutcome)
         assert results[1].opened
         assert isinstance(results[3], AlarmOutcome)
@@ -67,7 +67,7 @@ def test_an_alarm_is_recorded_only_with_a_fresh_nonce_claimed_in_its_transaction
         assert sorted(a.rank for a in incident.alarms) == [1, 3]
         assert other.claim_nonces([("n1" * 16, "k2")], keep=KEEP) == [False]
         assert other.record_fresh_alarms([_alarm(5)], [("n1" * 16, "k")], keep=KEEP) == [
-            Replayed("n1" * 16, "k")
+            NonceReused("n1" * 16, "k")
         ]
 
 
@@ -98,4 +98,4 @@ def test_an_expired_nonce_is_taken_over_without_pruning(database_url: str) -> No
         [outcome] = ledger.record_fresh_alarms([_alarm(0)], [("x" * 32, "k")], keep=KEEP)
         assert isinstance(outcome, AlarmOutcome)
         [again] = ledger.record_fresh_alarms([_alarm(1)], [("x" * 32, "k")], keep=KEEP)
-        assert again == Replayed("x" * 32, "k")
+        assert again == NonceReused("x" * 32, "k")

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from db import Ledger
 from flows.logs import configure_logging
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
 from flows.webhook import create_app
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import RecordingTrigger
 from tests.flows.conftest import alarm_payload, signed_post
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +111,12 @@ CONTROL_PLANE = textwrap.dedent(
 
     sys.meta_path.insert(0, Refuse())
     import flows, recovery
-    skip = {"flows.demo", "flows.replay_incident", "recovery.aws_local", "recovery.moto_hyperpod"}
+    skip = {
+        "flows.local.demo",
+        "flows.local.rehearsal",
+        "recovery.aws.local",
+        "recovery.aws.moto_hyperpod",
+    }
     names = sorted(
         info.name
         for pkg in (flows, recovery)
@@ -128,8 +133,8 @@ CONTROL_PLANE = textwrap.dedent(
     import httpx
     from db import Ledger
     from db.migrate import upgrade
-    from flows.serve import run_in_thread
-    from flows.trigger import RecordingTrigger
+    from flows.webhook.serve import run_in_thread
+    from flows.webhook.trigger import RecordingTrigger
     from flows.webhook import create_app
 
     url = sys.argv[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from flows.demo import DemoConfig
+from flows.local.demo import DemoConfig
 
 REPORT_KEYS = {
     "world_size",

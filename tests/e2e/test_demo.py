@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from flows.demo import run_demo
+from flows.local.demo import run_demo
 from tests.e2e.demo_checks import check_report, demo_config, processes_under
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_api"), pytest.mark.timeout(600)]
 
 
-# act-flip, the default demo, is covered (twice) by test_demo_rerun.py.
+# act-flip, the default demo, is covered (twice) by test_demo_twice.py.
 @pytest.mark.parametrize("fault", ["grad-nan", "reduced-flip", "weight-flip"])
 def test_demo_recovers_exactly_from_a_faulty_node(tmp_path: Path, fault: str) -> None:
     config = demo_config(tmp_path, fault)

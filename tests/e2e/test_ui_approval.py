@@ -29,8 +29,8 @@ import pytest
 from playwright.sync_api import Locator, Page, expect
 
 from db import IncidentState, Ledger
-from flows.approval import ApprovalChoice, artifact_key
-from recovery.cluster import LocalCluster
+from flows.incident.approval.form import ApprovalChoice, artifact_key
+from recovery.local.cluster import LocalCluster
 from tests.e2e.conftest import UI_TIMEOUT_MS
 from tests.e2e.processes import CliProcess, cli_process, prefect_processes
 

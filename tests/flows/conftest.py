@@ -21,10 +21,10 @@ from sqlalchemy import func, select
 from db import Ledger
 from db.models import Base
 from detection.transport.signing import DEFAULT_KEY_ID, signed_headers
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
+from flows.incident.wiring import Backends
 from flows.webhook import create_app
-from flows.wiring import Backends
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import RecordingTrigger
 
 WEBHOOK_SECRET = "test-webhook-secret-0123456789abcdef"
 
@@ -76,7 +76,7 @@ def ledger_only(ledger: Ledger) -> Backends:
         nodes=none,
         jobs=none,
         telemetry=none,
-        replay=none,
+        rerunner=none,
         hyperpod=none,
         checkpoints=none,
         directory=none,

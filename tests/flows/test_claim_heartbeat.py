@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from db import ActionStatus, ActionView, ClaimLost, Ledger
-from flows.coordination import claim_owner
-from flows.stages import Action, Stage, perform, record_stage
-from flows.stages._heartbeat import ClaimHeartbeat, current_heartbeat
-from flows.wiring import use_backends
+from flows.incident.coordination import claim_owner
+from flows.incident.stages import Action, Stage, perform, record_stage
+from flows.incident.stages._heartbeat import ClaimHeartbeat, current_heartbeat
+from flows.incident.wiring import use_backends
 from tests.db.support import make_alarm
 from tests.flows.conftest import ledger_only
 

@@ -19,9 +19,9 @@ from prefect.client.orchestration import get_client
 from prefect.states import Crashed, Running, State
 
 from db import ActionStatus, ClaimLost, Ledger
-from flows.coordination import claim_owner
-from flows.stages import Action, Stage, perform, record_stage
-from flows.wiring import use_backends
+from flows.incident.coordination import claim_owner
+from flows.incident.stages import Action, Stage, perform, record_stage
+from flows.incident.wiring import use_backends
 from tests.db.support import make_alarm
 from tests.flows.conftest import ledger_only
 

@@ -32,14 +32,15 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from db import CheckpointStatus, IncidentState, Ledger
 from detection.transport.signing import signed_headers
-from flows.approval import ApprovalDecision, submit_decision
-from flows.coordination import CoordinationSettings
-from flows.serve import run_in_thread
-from flows.trigger import PrefectTrigger
+from flows.incident.approval.form import ApprovalDecision, submit_decision
+from flows.settings import CoordinationSettings
 from flows.webhook import create_app
-from recovery.aws_local import create_demo_cluster, start_local_aws
-from recovery.cluster import LocalCluster, NodeState
-from recovery.jobs import JobKind, JobRef, LocalJobControl
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import PrefectTrigger
+from recovery.aws.local import create_demo_cluster, start_local_aws
+from recovery.jobs import JobKind, JobRef
+from recovery.local import LocalJobControl
+from recovery.local.cluster import LocalCluster, NodeState
 from tests.prefect_events import flush
 from tests.prefect_processes import (
     PREFECT,
@@ -131,6 +132,21 @@ def _alarm() -> dict[str, Any]:
 LEASE_S = float(os.environ.get("SDCGUARD_SOAK_LEASE_S", "30"))
 """The server's deployment-concurrency lease: Prefect's minimum (30 s) in ``make test``;
 ``benchmarks/durable_approval.py`` sets Prefect's default (300 s) and waits that out."""
+
+
+def test_every_deployment_loads_the_flow_as_its_module() -> None:
+    """prefect.yaml names the flow by module, so a worker imports ``flows.incident.flow`` and
+    its logs come from the loggers named for that module (``PREFECT_LOGGING_EXTRA_LOGGERS``
+    lists ``flows``); a file-path entrypoint would run it as a module named ``flow``."""
+    import yaml
+    from prefect.flows import load_flow_from_entrypoint
+
+    config = yaml.safe_load((Path(__file__).parents[2] / "prefect.yaml").read_text())
+    entrypoints = {d["entrypoint"] for d in config["deployments"]}
+    assert entrypoints == {"flows.incident.flow.incident_response"}
+    flow = load_flow_from_entrypoint(entrypoints.pop())
+    assert flow.fn.__module__ == "flows.incident.flow"
+    assert flow.name == "incident-response"
 
 
 @pytest.mark.slow
@@ -272,6 +288,9 @@ def _check_deployments(api_url: str) -> None:
         # no deployment-wide limit: containment never queues, a suspended run holds nothing
         assert deployment.global_concurrency_limit is None
         assert deployment.enforce_parameter_schema
+        # a module entrypoint: the flow is imported as flows.incident.flow, whose logger is
+        # named for its module (a file path would load it as a module named ``flow``)
+        assert deployment.entrypoint == "flows.incident.flow.incident_response"
     local, production = deployments["incident"], deployments["incident-production"]
     assert local.work_pool_name == "sdcguard-local"
     assert production.work_pool_name == "sdcguard-k8s"

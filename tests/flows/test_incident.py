@@ -3,7 +3,7 @@
 Everything outside sdcguard is real or faked at its wire: a temporary Prefect server (the
 session's ``prefect_api``), a SQLite ledger, a simulated cluster state file, local processes as
 the training job, packaged telemetry fixtures, a file checkpoint store and SageMaker HyperPod
-served by moto over HTTP. The one stand-in is :class:`ScriptedReplay`, the cluster nodes that
+served by moto over HTTP. The one stand-in is :class:`ScriptedRerunner`, the cluster nodes that
 run replays reduced to their answers (a faulty node computes something else from a given step
 on); ``test_real_replay_names_the_faulty_node`` runs real replays of a real training job.
 """
@@ -28,6 +28,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
 
 from db import (
+    STAGE_KIND,
     ActionStatus,
     AlarmIn,
     CheckpointStatus,
@@ -37,23 +38,27 @@ from db import (
     Ledger,
     RankIn,
 )
-from flows.approval import ApprovalDecision, artifact_key, submit_decision
-from flows.incident import IncidentFailed, incident_response, respond
-from flows.policy import IncidentPolicy, NodeAction
-from flows.recovery_settings import PolicySettings
-from flows.report import STAGE_KIND, incident_summary
-from flows.retry import retry_incident
-from flows.stages import AUTO_APPROVER
-from flows.trigger import RecordingTrigger
-from flows.wiring import Backends, LocalJobCatalog, LocalNodeDirectory, use_backends
-from recovery import moto_hyperpod
-from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
-from recovery.checkpoints import FileCheckpointStore
-from recovery.cluster import LocalCluster, NodeState
-from recovery.hyperpod import HyperPod, sagemaker_client
-from recovery.jobs import JobKind, JobRef, JobStatus, LocalJobControl
-from recovery.nodes import ANNOTATION_CORDONED_BY, LocalNodeOps
-from recovery.replay import LocalReplayRunner, ReplayRequest, ReplayResult, StepRecord
+from flows.incident.approval.form import ApprovalDecision, artifact_key, submit_decision
+from flows.incident.flow import IncidentFailed, incident_response, respond
+from flows.incident.policy import IncidentPolicy, NodeAction
+from flows.incident.report import incident_summary
+from flows.incident.stages import AUTO_APPROVER
+from flows.incident.wiring import Backends, use_backends
+from flows.settings import PolicySettings
+from flows.webhook.retry import retry_incident
+from flows.webhook.trigger import RecordingTrigger
+from recovery.aws import moto_hyperpod
+from recovery.aws.hyperpod import HyperPod, sagemaker_client
+from recovery.aws.local import LocalAws, create_demo_cluster, start_local_aws
+from recovery.checkpoints.store import FileCheckpointStore
+from recovery.diagnosis.rerun import RerunRequest, RerunResult, StepRecord
+from recovery.jobs import JobKind, JobRef, JobStatus
+from recovery.local import LocalJobControl
+from recovery.local.catalog import LocalJobCatalog
+from recovery.local.cluster import LocalCluster, NodeState
+from recovery.local.diagnosis import LocalRerunner
+from recovery.local.nodes import LocalNodeDirectory, LocalNodeOps
+from recovery.nodes import ANNOTATION_CORDONED_BY
 from recovery.telemetry import FixtureTelemetry, packaged_fixture_root
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -70,15 +75,15 @@ FAST = IncidentPolicy(task_retries=2, retry_delay_s=0.0, approval_timeout_s=60)
 AUTO = FAST.model_copy(update={"auto_approve": True})
 
 
-class ScriptedReplay:
+class ScriptedRerunner:
     """Replay nodes reduced to their answers: bitwise equal everywhere, except that a node with
     a persistent fault computes another loss and other weights from ``from_step`` on."""
 
     def __init__(self, faulty: dict[str, int]) -> None:
         self.faulty = faulty
-        self.requests: list[ReplayRequest] = []
+        self.requests: list[RerunRequest] = []
 
-    def replay(self, request: ReplayRequest) -> ReplayResult:
+    def rerun(self, request: RerunRequest) -> RerunResult:
         self.requests.append(request)
         ranks = request.spec.world_size
         bad_from = self.faulty.get(request.node)
@@ -101,7 +106,7 @@ class ScriptedReplay:
                 "kinds": {"embed": "embedding", "head": "linear"},
                 "ranks": {"0": {"forward": {"embed": "e", "head": "bad" if bad else "ok"}}},
             }
-        return ReplayResult(request.node, tuple(steps), probe)
+        return RerunResult(request.node, tuple(steps), probe)
 
 
 class Crash(BaseException):
@@ -283,7 +288,7 @@ def build_site(
         if step < 39:
             ledger.record_audit(JOB, step + 1, "loss", [0, 1, 2, 3], True)
     outcome = ledger.record_alarm(_alarm(ALARM_STEP, [FAULTY] if suspects is None else suspects))
-    replay = replay if replay is not None else ScriptedReplay({FAULTY: 33})
+    replay = replay if replay is not None else ScriptedRerunner({FAULTY: 33})
     backends = Backends(
         ledger=ledger,
         nodes=CountingNodes(cluster, effects),
@@ -575,7 +580,7 @@ def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(
         site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
 
 
-class AlarmingReplay(ScriptedReplay):
+class AlarmingReplay(ScriptedRerunner):
     """The scripted replay, while more of the job's nodes raise alarms during the diagnosis."""
 
     def __init__(self, faulty: dict[str, int], ledger: Ledger, late: list[str]) -> None:
@@ -583,10 +588,10 @@ class AlarmingReplay(ScriptedReplay):
         self.ledger = ledger
         self.late = late
 
-    def replay(self, request: ReplayRequest) -> ReplayResult:
+    def rerun(self, request: RerunRequest) -> RerunResult:
         if not self.requests:
             self.ledger.record_alarm(_alarm(ALARM_STEP + 1, self.late))
-        return super().replay(request)
+        return super().rerun(request)
 
 
 def test_alarms_arriving_during_diagnosis_make_a_storm_before_auto_approval(
@@ -663,7 +668,7 @@ def test_approving_one_of_two_suspects_replaces_exactly_that_one(
 ) -> None:
     """The replay names nobody, so both suspects are put to the approver; only one is approved."""
     site = build_site(
-        tmp_path, sqlite_ledger, local_aws, suspects=["node-1", FAULTY], replay=ScriptedReplay({})
+        tmp_path, sqlite_ledger, local_aws, suspects=["node-1", FAULTY], replay=ScriptedRerunner({})
     )
     replaces_before = moto_hyperpod.call_count("BatchReplaceClusterNodes")
     answer = {**APPROVE, "nodes": [FAULTY]}
@@ -902,7 +907,7 @@ def test_real_replay_names_the_faulty_node_and_recovery_matches_a_clean_run(
         nodes=LocalNodeOps(cluster),
         jobs=jobs,
         telemetry=FixtureTelemetry(packaged_fixture_root()),
-        replay=LocalReplayRunner(tmp_path / "replays", timeout_s=120),
+        rerunner=LocalRerunner(tmp_path / "replays", timeout_s=120),
         hyperpod=HyperPod(client, cluster_name, poll_interval_s=0.01, wait_timeout_s=30),
         checkpoints=FileCheckpointStore(tmp_path / "store"),
         directory=LocalNodeDirectory(cluster),
@@ -969,7 +974,7 @@ def test_a_crash_inside_a_read_only_stage_is_continued_by_a_rerun(site: Site) ->
     """The telemetry stage dies, then (next run) the replay stage: each is continued."""
     wrapped = {
         "telemetry": CrashingOnce(site.backends.telemetry, "collect"),
-        "replay": CrashingOnce(site.backends.replay, "replay"),
+        "replay": CrashingOnce(site.backends.rerunner, "replay"),
     }
     site.backends = dataclasses.replace(
         site.backends, telemetry=wrapped["telemetry"], replay=wrapped["replay"]

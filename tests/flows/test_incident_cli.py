@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from db import IncidentState, Ledger
 from flows.cli import app
-from flows.replay_incident import REHEARSAL_NOTICE, RehearsalDecision, rehearse
-from recovery.aws_local import LocalAws, start_local_aws
+from flows.local.rehearsal import REHEARSAL_NOTICE, RehearsalDecision, rehearse
+from recovery.aws.local import LocalAws, start_local_aws
 from recovery.jobs import JobKind, JobRef
 from tests.flows.conftest import row_counts
 from tests.flows.test_incident import AUTO, FAULTY, JOB, Site, build_site

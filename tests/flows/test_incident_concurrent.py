@@ -1,10 +1,11 @@
 """Two incidents at once: the second is contained while the first is replacing.
 
 Containment (stop, cordon, telemetry) never waits for another incident; only the destructive
-stages are serialised by the global limit ``sdcguard-destructive`` (:mod:`flows.coordination`).
-Incident A's flow is held inside its replacement — holding the slot — until incident B's node
-is cordoned; no sleeps: events say where each flow is. Both jobs share one fleet (one simulated
-cluster, one HyperPod cluster in moto), as two jobs of one cluster do.
+stages are serialised by the global limit ``sdcguard-destructive``
+(:mod:`flows.incident.coordination`). Incident A's flow is held inside its replacement — holding
+the slot — until incident B's node is cordoned; no sleeps: events say where each flow is. Both jobs
+share one fleet (one simulated cluster, one HyperPod cluster in moto), as two jobs of one cluster
+do.
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from typing import Any
 import pytest
 
 from db import AlarmIn, IncidentState, Ledger, RankIn
-from flows.incident import incident_response
-from flows.recovery_settings import PolicySettings
-from flows.wiring import Backends, LocalJobCatalog, LocalNodeDirectory, use_backends
-from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
-from recovery.checkpoints import FileCheckpointStore
-from recovery.cluster import LocalCluster
-from recovery.hyperpod import sagemaker_client
+from flows.incident.flow import incident_response
+from flows.incident.wiring import Backends, use_backends
+from flows.settings import PolicySettings
+from recovery.aws.hyperpod import sagemaker_client
+from recovery.aws.local import LocalAws, create_demo_cluster, start_local_aws
+from recovery.checkpoints.store import FileCheckpointStore
 from recovery.jobs import JobKind, JobRef
+from recovery.local.catalog import LocalJobCatalog
+from recovery.local.cluster import LocalCluster
+from recovery.local.nodes import LocalNodeDirectory
 from recovery.telemetry import FixtureTelemetry, packaged_fixture_root
 from tests.flows.test_incident import (
     AUTO,
@@ -35,7 +38,7 @@ from tests.flows.test_incident import (
     CountingJobs,
     CountingNodes,
     Effects,
-    ScriptedReplay,
+    ScriptedRerunner,
 )
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -158,7 +161,7 @@ def test_the_second_incident_is_cordoned_while_the_first_replaces(
         nodes=node_ops,
         jobs=jobs,
         telemetry=FixtureTelemetry(packaged_fixture_root()),
-        replay=ScriptedReplay({"node-2": 33, "node-5": 33}),
+        rerunner=ScriptedRerunner({"node-2": 33, "node-5": 33}),
         hyperpod=hyperpod,
         checkpoints=FileCheckpointStore(tmp_path / "store"),
         directory=LocalNodeDirectory(cluster),

@@ -1,7 +1,7 @@
 """An approval nobody answered closes itself on time, with no flow run left to do it.
 
 Prefect fails a suspended run whose pause timed out without running the flow's code; the
-webhook service's sweep (:mod:`flows.expiry`) closes the incident ``expired`` instead. The
+webhook service's sweep (:mod:`flows.incident.expiry`) closes the incident ``expired`` instead. The
 ledger's clock is moved by hand; the sweep's own thread is shown once, awaited, not slept on.
 """
 
@@ -15,7 +15,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from db import IncidentState, Ledger, RankIn
-from flows.expiry import ExpirySettings, ExpirySweeper, close_overdue_approvals
+from flows.incident.expiry import ExpirySweeper, close_overdue_approvals
+from flows.settings import ExpirySettings
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 

@@ -17,10 +17,10 @@ import pytest
 from moto.moto_api import state_manager
 
 from db import ActionStatus, IncidentState, Ledger
-from flows.incident import IncidentFailed
-from recovery import moto_hyperpod
-from recovery.aws_local import LocalAws, start_local_aws
-from recovery.hyperpod import sagemaker_client
+from flows.incident.flow import IncidentFailed
+from recovery.aws import moto_hyperpod
+from recovery.aws.hyperpod import sagemaker_client
+from recovery.aws.local import LocalAws, start_local_aws
 from recovery.jobs import JobKind, JobRef
 from tests.flows.test_incident import AUTO, FAULTY, JOB, CountingHyperPod, Crash, Site, build_site
 

@@ -9,26 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from flows.approval import ApprovalDecision, Evidence, artifact_key, evidence_markdown
-from flows.policy import IncidentPolicy, storm_guard
-from flows.recovery_settings import AwsSettings, BackendMode, RecoverySettings
-from flows.wiring import (
-    Backends,
-    KubeNodeDirectory,
-    LocalJobCatalog,
-    build_backends,
-    current_backends,
-    plan_from_harness_args,
-    use_backends,
-)
-from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
-from recovery.checkpoints import FileCheckpointStore
-from recovery.cluster import LocalCluster
+from flows.incident.approval.form import ApprovalDecision, Evidence, artifact_key, evidence_markdown
+from flows.incident.policy import IncidentPolicy, storm_guard
+from flows.incident.wiring import Backends, build_backends, current_backends, use_backends
+from flows.settings import AwsSettings, BackendMode, RecoverySettings
+from recovery.aws.local import LocalAws, create_demo_cluster, start_local_aws
+from recovery.checkpoints.store import FileCheckpointStore
+from recovery.diagnosis.plan import plan_from_harness_args
 from recovery.errors import PermanentError, TemporaryError
-from recovery.hyperpod import HYPERPOD_NODE_PREFIX
-from recovery.jobs import JobKind, LocalJobControl
-from recovery.kube import api_client_for_host
-from recovery.nodes import KubeNodeOps, LocalNodeOps
+from recovery.jobs import JobKind
+from recovery.kube.client import api_client_for_host
+from recovery.kube.nodes import KubeNodeDirectory, KubeNodeOps
+from recovery.local import LocalJobControl
+from recovery.local.catalog import LocalJobCatalog
+from recovery.local.cluster import LocalCluster
+from recovery.local.nodes import LocalNodeOps
+from recovery.nodes import HYPERPOD_NODE_PREFIX
 from tests.recovery.fake_kube import FakeKube
 
 
@@ -119,7 +115,7 @@ def test_replay_plan_is_read_from_the_local_job_record(tmp_path: Path) -> None:
         "10",
     ]
     jobs.launch("job-1", args, tmp_path / "job.log")
-    plan = LocalJobCatalog(tmp_path).replay_plan("job-1")
+    plan = LocalJobCatalog(tmp_path).rerun_plan("job-1")
     assert plan == plan_from_harness_args(args)
     assert (plan.spec.world_size, plan.spec.seed, plan.spec.threads) == (2, 9, 2)
     assert plan.spec.audit_mode == "gradient"
@@ -127,7 +123,7 @@ def test_replay_plan_is_read_from_the_local_job_record(tmp_path: Path) -> None:
     assert plan.reference is not None
     assert [r.step for r in plan.reference] == [0]
     with pytest.raises(PermanentError):
-        LocalJobCatalog(tmp_path).replay_plan("never-launched")
+        LocalJobCatalog(tmp_path).rerun_plan("never-launched")
 
 
 def test_the_approval_form_needs_a_decision_an_approver_and_a_reason() -> None:

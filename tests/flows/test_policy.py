@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from pydantic import ValidationError
 
-from flows.policy import (
+from flows.incident.policy import (
     AlarmEvidence,
     IncidentPolicy,
     NodeAction,
@@ -16,7 +16,7 @@ from flows.policy import (
     storm_guard,
     within_limits,
 )
-from flows.recovery_settings import PolicySettings
+from flows.settings import PolicySettings
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 JOB_NODES = [f"node-{i}" for i in range(8)]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from flows.trigger import (
+from flows.webhook.trigger import (
     IncidentTrigger,
     LocalTrigger,
     NoTrigger,

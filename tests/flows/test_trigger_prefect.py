@@ -20,9 +20,9 @@ from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFi
 from prefect.events.schemas.events import ReceivedEvent
 
 from db import Ledger
-from flows.serve import run_in_thread
-from flows.trigger import INCIDENT_OPENED_EVENT, PrefectTrigger, incident_event_id
 from flows.webhook import create_app, dispatcher_of
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import INCIDENT_OPENED_EVENT, PrefectTrigger, incident_event_id
 from tests.flows.conftest import alarm_payload, signed_post
 
 DEPLOYMENT = "incident-response/incident"
@@ -120,7 +120,7 @@ def test_alarm_storm_through_the_webhook_starts_one_deployment_run(
 
 @pytest.mark.slow
 def test_unknown_deployment_is_a_trigger_error(prefect_api: str) -> None:
-    from flows.trigger import TriggerError
+    from flows.webhook.trigger import TriggerError
 
     with pytest.raises(TriggerError, match="no-such-flow/nowhere"):
         PrefectTrigger("no-such-flow/nowhere").fire(str(uuid.uuid4()), "job-1")

@@ -19,9 +19,9 @@ import pytest
 
 from db import Ledger
 from detection.transport.signing import SIGNATURE_HEADER, signed_headers
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
 from flows.webhook import create_app, dispatcher_of, signed
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import RecordingTrigger
 from tests.flows.conftest import Webhook, alarm_payload, ranks_payload, row_counts
 
 

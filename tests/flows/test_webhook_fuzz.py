@@ -25,8 +25,8 @@ from schemathesis.specs.openapi.checks import (
 
 from db import Ledger
 from detection.transport.signing import signed_headers
-from flows.trigger import RecordingTrigger
 from flows.webhook import create_app
+from flows.webhook.trigger import RecordingTrigger
 from tests.flows.conftest import Webhook, row_counts
 
 CHECKS = [

@@ -19,9 +19,9 @@ from detection.identity import RankIdentity
 from detection.transport.alarm import Alarm, Layer, Phase
 from detection.transport.sender import AlarmSender, drain_spool
 from flows.cli import app
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
 from flows.webhook import create_app, dispatcher_of
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import RecordingTrigger
 from tests.flows.conftest import Webhook, row_counts
 
 JOB = "local-1234"

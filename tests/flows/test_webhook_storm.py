@@ -30,9 +30,9 @@ import sqlalchemy as sa
 from db import Ledger
 from db.models import JobRow
 from detection.transport.signing import signed_headers
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
 from flows.webhook import alarm_queue_of, create_app, dispatcher_of
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import RecordingTrigger
 from tests.flows.conftest import Webhook, alarm_payload, ranks_payload, row_counts
 
 WORLD_SIZE = 4096

@@ -14,8 +14,8 @@ import pytest
 from moto import mock_aws
 from moto.moto_api import state_manager
 
-from recovery import moto_hyperpod
-from recovery.aws_local import LocalAws, create_demo_cluster, start_local_aws
+from recovery.aws import moto_hyperpod
+from recovery.aws.local import LocalAws, create_demo_cluster, start_local_aws
 
 REGION = "us-east-1"
 CLUSTER = "sdc-test"

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 from kubernetes import client as k8s
 
-from recovery.kube import api_client_for_host
+from recovery.kube.client import api_client_for_host
 from tests.recovery.fake_kube import FakeKube
 
 
@@ -20,7 +20,8 @@ def fake_kube() -> Iterator[FakeKube]:
 
 @pytest.fixture
 def kube_client(fake_kube: FakeKube) -> Iterator[k8s.ApiClient]:
-    """The official ``kubernetes`` client, configured (by ``recovery.kube``) for ``fake_kube``."""
+    """The official ``kubernetes`` client, configured (by ``recovery.kube.client``) for
+    ``fake_kube``."""
     api_client = api_client_for_host(fake_kube.url, token="test-token")
     try:
         yield api_client

@@ -19,15 +19,14 @@ import torch
 from botocore.config import Config
 from botocore.exceptions import ConnectionClosedError
 
-from recovery.aws_local import LocalAws, create_demo_bucket
-from recovery.checkpoints import (
+from recovery.aws.local import LocalAws, create_demo_bucket
+from recovery.checkpoints.s3 import SHA256_METADATA_KEY, S3CheckpointStore
+from recovery.checkpoints.store import (
     PARTIAL_SUFFIX,
-    SHA256_METADATA_KEY,
     CheckpointStore,
     ChecksumMismatch,
     FileCheckpointStore,
     InvalidCheckpointUri,
-    S3CheckpointStore,
     load_state,
 )
 from recovery.errors import NotFoundError, TemporaryError
@@ -171,7 +170,7 @@ def test_file_writer_killed_mid_write_publishes_nothing(tmp_path: Path) -> None:
             sys.executable,
             "-c",
             "import sys; from pathlib import Path;"
-            "from recovery.checkpoints import FileCheckpointStore;"
+            "from recovery.checkpoints.store import FileCheckpointStore;"
             "FileCheckpointStore(Path(sys.argv[1])).put(Path(sys.argv[2]), 'ckpt-000040.pt')",
             str(root),
             str(fifo),

@@ -10,8 +10,17 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from recovery import moto_hyperpod
-from recovery.aws_local import LocalAws, create_demo_cluster
+from recovery.aws import moto_hyperpod
+from recovery.aws.hyperpod import INSTANCE_ID_LABEL, HyperPod, sagemaker_client
+from recovery.aws.hyperpod_nodes import (
+    AlreadyReplacing,
+    AmbiguousReplacement,
+    BatchAction,
+    MissingBaseline,
+    NodeStatus,
+    WaitTimeout,
+)
+from recovery.aws.local import LocalAws, create_demo_cluster
 from recovery.errors import (
     ConflictError,
     ForbiddenError,
@@ -19,17 +28,6 @@ from recovery.errors import (
     PermanentError,
     TemporaryError,
     ThrottledError,
-)
-from recovery.hyperpod import (
-    INSTANCE_ID_LABEL,
-    AlreadyReplacing,
-    AmbiguousReplacement,
-    BatchAction,
-    HyperPod,
-    MissingBaseline,
-    NodeStatus,
-    WaitTimeout,
-    sagemaker_client,
 )
 from tests.recovery.aws_fixtures import (  # noqa: F401  (fixtures, registered by name)
     CLUSTER,

@@ -24,16 +24,15 @@ from recovery.jobs import (
     ANNOTATION_RESUME_STEP,
     RESUME_ENV,
     RESUME_ENV_FROM_ANNOTATION,
-    BatchJobControl,
     JobKind,
     JobRef,
     JobStatus,
-    LocalJobControl,
-    PyTorchJobControl,
     ResumeOutcome,
     StopOutcome,
-    resume_args,
 )
+from recovery.kube.jobs import BatchJobControl, PyTorchJobControl
+from recovery.local import LocalJobControl
+from recovery.local.train_args import resume_args
 from tests.recovery.fake_kube import FakeKube
 
 CKPT = "s3://ckpt-bucket/run-1/ckpt-000030.pt"

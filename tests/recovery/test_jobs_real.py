@@ -12,16 +12,14 @@ import pytest
 from kubernetes import client as k8s
 
 from recovery.errors import NotFoundError, PermanentError, TemporaryError
-from recovery.jobs import (
+from recovery.jobs import JobKind, JobRef, StopOutcome
+from recovery.kube.jobs import (
     JOB_ID_LABEL,
     AmbiguousJobError,
-    JobKind,
     JobNotFoundError,
-    JobRef,
     KubeJobFinder,
     KubeJobs,
     PyTorchJobControl,
-    StopOutcome,
     UnsupportedJobKind,
 )
 from tests.recovery.fake_kube import FakeKube

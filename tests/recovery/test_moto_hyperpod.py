@@ -14,8 +14,8 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
-from recovery import moto_hyperpod
-from recovery.aws_local import LocalAws, create_demo_cluster
+from recovery.aws import moto_hyperpod
+from recovery.aws.local import LocalAws, create_demo_cluster
 from recovery.errors import PermanentError
 from tests.recovery.aws_fixtures import (  # noqa: F401  (fixtures, registered by name)
     CLUSTER,

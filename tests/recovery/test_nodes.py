@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from kubernetes import client as k8s
 
-from recovery.cluster import LocalCluster, NodeInfo, NodeRecord, Taint
 from recovery.errors import (
     ConflictError,
     ForbiddenError,
@@ -21,7 +20,10 @@ from recovery.errors import (
     PermanentError,
     TemporaryError,
 )
-from recovery.kube import api_client_for_host, make_api_client
+from recovery.kube.client import api_client_for_host, make_api_client
+from recovery.kube.nodes import KubeNodeOps
+from recovery.local.cluster import LocalCluster, NodeRecord
+from recovery.local.nodes import LocalNodeOps
 from recovery.nodes import (
     ANNOTATION_CORDON_REASON,
     ANNOTATION_CORDONED_AT,
@@ -30,10 +32,10 @@ from recovery.nodes import (
     HEALTH_LABEL,
     LABEL_INCIDENT,
     TAINT_KEY,
-    KubeNodeOps,
-    LocalNodeOps,
     NodeHealth,
+    NodeInfo,
     NodeOps,
+    Taint,
 )
 from tests.recovery.fake_kube import FakeKube, FakeResponse, RecordedRequest
 
@@ -448,7 +450,7 @@ def test_eviction_backoff_doubles_up_to_the_cap(
     assert [b.pod for b in result.blocked] == ["ml/trainer-0"]
 
 
-# -- client construction (recovery.kube) -------------------------------------------------
+# -- client construction (recovery.kube.client) -------------------------------------------------
 
 
 def test_kubeconfig_client_reaches_the_server_with_its_token(

@@ -41,17 +41,12 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.workers.process import ProcessWorker
 
 from db import IncidentState, Ledger
+from flows.incident.wiring import build_backends
 from flows.logs import PREFECT_LOGGING_CONFIG
-from flows.wiring import build_backends
-from recovery.aws_local import LocalAws, create_demo_bucket, create_demo_cluster, start_local_aws
-from recovery.jobs import (
-    JOB_ID_LABEL,
-    RESUME_ENV_FROM_ANNOTATION,
-    JobKind,
-    ResumeOutcome,
-    StopOutcome,
-)
-from recovery.kube import api_client_for_host
+from recovery.aws.local import LocalAws, create_demo_bucket, create_demo_cluster, start_local_aws
+from recovery.jobs import RESUME_ENV_FROM_ANNOTATION, JobKind, ResumeOutcome, StopOutcome
+from recovery.kube.client import api_client_for_host
+from recovery.kube.jobs import JOB_ID_LABEL
 from recovery.telemetry import packaged_fixture_root
 from tests.deploy.rbac import denied, rules_of, used
 from tests.prefect_processes import (

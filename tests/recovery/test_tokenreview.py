@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kubernetes import client as k8s
 
-from recovery.tokenreview import TokenReviewer
+from recovery.kube.tokenreview import TokenReviewer
 from tests.recovery.fake_kube import FakeKube
 
 SA = "system:serviceaccount:team-a:trainer"

@@ -18,10 +18,10 @@ import pytest
 
 from db import Ledger
 from detection.transport.signing import signed_headers
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
 from flows.webhook import create_app
 from flows.webhook.auth import Credentials
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import RecordingTrigger
 
 KEY_A = ("job-a-2025", "secret-of-job-a-2025-0123456789")
 KEY_A_NEW = ("job-a-2026", "secret-of-job-a-2026-0123456789")

@@ -19,14 +19,14 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.flow_runs import pause_flow_run, resume_flow_run
 
-from flows.approval import ApprovalChoice, ApprovalDecision, answered_by
-from flows.approval_identity import (
+from flows.incident.approval.form import ApprovalChoice, ApprovalDecision, answered_by
+from flows.incident.approval.identity import (
     UNAUTHENTICATED,
     ApprovalIdentityGate,
     identity_token,
     resolve_identity,
 )
-from flows.report import answered_as
+from flows.incident.report import answered_as
 
 SECRET = "approval-identity-secret-0123456789"
 RUN = str(uuid.uuid4())

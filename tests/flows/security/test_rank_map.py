@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from db import IncidentState, Ledger
-from recovery.aws_local import LocalAws, start_local_aws
+from recovery.aws.local import LocalAws, start_local_aws
 from recovery.jobs import JobKind, JobRef
 from tests.flows.test_incident import FAULTY, JOB, Approver, Site, build_site
 

@@ -12,10 +12,10 @@ import httpx
 
 from db import AlarmIn, Ledger
 from detection.transport.signing import signed_headers
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
 from flows.webhook import create_app
 from flows.webhook.auth import Credentials
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import RecordingTrigger
 from tests.flows.conftest import alarm_payload, row_counts
 from tests.flows.security.conftest import (
     KEY_A,

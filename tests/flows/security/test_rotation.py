@@ -14,10 +14,10 @@ from pathlib import Path
 
 from db import Ledger
 from detection.transport.sender import AlarmSender
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
 from flows.webhook import create_app
 from flows.webhook.auth import Credentials
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import RecordingTrigger
 from tests.flows.conftest import alarm_payload
 from tests.flows.security.conftest import KEY_A, KEY_A_NEW, credentials_document
 

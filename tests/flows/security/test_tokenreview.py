@@ -12,12 +12,12 @@ import pytest
 
 from db import Ledger
 from detection.transport.signing import NONCE_HEADER, TIMESTAMP_HEADER
-from flows.serve import run_in_thread
-from flows.trigger import RecordingTrigger
 from flows.webhook import create_app
 from flows.webhook.auth import Credentials, TokenCache
-from recovery.kube import api_client_for_host
-from recovery.tokenreview import TokenReviewer
+from flows.webhook.serve import run_in_thread
+from flows.webhook.trigger import RecordingTrigger
+from recovery.kube.client import api_client_for_host
+from recovery.kube.tokenreview import TokenReviewer
 from tests.flows.conftest import alarm_payload, row_counts
 from tests.recovery.fake_kube import FakeKube
 

@@ -85,7 +85,7 @@ def _collect(
             fake.on_exec(_container(fixture_set, calls))
         kubelet = FakeKubelet(fake, tmp_path).start()  # marks the bare diagnostic pod Running
         try:
-            from recovery.kube import api_client_for_host
+            from recovery.kube.client import api_client_for_host
 
             api_client: k8s.ApiClient = api_client_for_host(fake.url, token="t")
             telemetry = KubeTelemetry(
