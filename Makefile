@@ -66,7 +66,7 @@ $(SCAN_VENV)/bin/checkov:
 	$(SCAN_VENV)/bin/pip install -q checkov==3.3.30
 
 # A kustomize patch is a fragment (no security context of its own): the scan skips the patch
-# files and scans each merged onto its target instead (tests/deploy/overlays.py renders them).
+# files and scans every kustomization as `kubectl kustomize` renders it (tests/deploy/overlays.py).
 SCAN_RENDERED := .scan-rendered
 scan: $(SCAN_VENV)/bin/checkov $(STAMP)
 	rm -rf $(SCAN_RENDERED)

@@ -1,11 +1,13 @@
-"""deploy/ is what an operator applies: every manifest validates against the Kubernetes schemas
-offline (kubernetes-validate), the work-pool job template renders to a valid Job that keeps flow
-runs off GPU and suspect nodes, and the IAM policy names exactly the calls the code makes."""
+"""deploy/ is what an operator applies: every manifest, and every kustomization as
+``kubectl kustomize`` renders it, validates against the Kubernetes schemas offline
+(kubernetes-validate), the work-pool job template renders to a valid Job that keeps flow runs
+off GPU and suspect nodes, and the IAM policy names exactly the calls the code makes."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tests.deploy.overlays import DEPLOY, MANIFESTS, PATCHES, docs, patched
+from tests.deploy.overlays import DEPLOY, KUSTOMIZATIONS, MANIFESTS, KustomizeError, docs, render
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.30"
@@ -31,9 +33,93 @@ def test_every_manifest_is_valid_kubernetes(path: Path) -> None:
         _validate(doc)
 
 
-@pytest.mark.parametrize("path", PATCHES, ids=lambda p: str(p.relative_to(DEPLOY.resolve())))
-def test_every_patch_gives_a_valid_object_on_its_target(path: Path) -> None:
-    _validate(patched(path))
+def _folder_id(folder: Path) -> str:
+    return str(folder.relative_to(DEPLOY))
+
+
+def _key(doc: dict[str, Any]) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("folder", KUSTOMIZATIONS, ids=_folder_id)
+def test_every_kustomization_renders_to_valid_kubernetes(folder: Path) -> None:
+    objects = render(folder)
+    assert objects
+    for doc in objects:
+        _validate(doc)
+    assert len({_key(d) for d in objects}) == len(objects), "an object rendered twice"
+    namespaced = [d for d in objects if d["kind"] not in {"Namespace", "ClusterRole",
+                                                          "ClusterRoleBinding"}]  # fmt: skip
+    assert {d["metadata"].get("namespace") for d in namespaced} == {"sdcguard"}
+
+
+OVERLAYS = [f for f in KUSTOMIZATIONS if "resources" in yaml.safe_load(
+    (f / "kustomization.yaml").read_text()) and f.parent.name == "overlays"]  # fmt: skip
+
+
+def _contains(whole: Any, fragment: Any) -> bool:
+    """Whether ``whole`` carries every value of ``fragment``: maps key by key, lists of named
+    items (containers, env, volumes, mounts) item by item by ``name``, anything else equal."""
+    if isinstance(whole, dict) and isinstance(fragment, dict):
+        return all(k in whole and _contains(whole[k], v) for k, v in fragment.items())
+    if (
+        isinstance(whole, list)
+        and isinstance(fragment, list)
+        and all(isinstance(i, dict) and "name" in i for i in [*whole, *fragment])
+    ):
+        named = {item["name"]: item for item in whole}
+        return all(i["name"] in named and _contains(named[i["name"]], i) for i in fragment)
+    return bool(whole == fragment)
+
+
+def _at(doc: Any, pointer: str) -> Any:
+    for part in pointer.strip("/").split("/"):
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    return doc
+
+
+@pytest.mark.parametrize("folder", OVERLAYS, ids=_folder_id)
+def test_every_overlay_renders_what_it_patches(folder: Path) -> None:
+    """A patch that kustomize applies to nothing (a renamed target, a path that no longer
+    matches) is silent: each patch's values must be in the rendered object, and each image
+    rename in every container that used the image."""
+    body = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    overlay = {_key(d): d for d in render(folder)}
+    assert body.get("patches") or body.get("images")
+    for patch in body.get("patches", []):
+        fragment = docs(folder / patch["path"])[0] if "path" in patch else None
+        target = (patch["target"]["kind"], patch["target"]["name"]) if "target" in patch \
+            else _key(fragment or {})  # fmt: skip
+        assert target in overlay, f"{folder.name}: the patch target {target} is not rendered"
+        if fragment is not None:
+            assert _contains(overlay[target], fragment), f"{folder.name}: {target} unpatched"
+        for op in yaml.safe_load(patch.get("patch", "[]")) if fragment is None else []:
+            assert op["op"] in {"add", "replace"}, op
+            assert _at(overlay[target], op["path"]) == op["value"], (folder.name, op)
+    images = {
+        re.sub(r"(@sha256)?:[^/]*$", "", container["image"])
+        for doc in overlay.values()
+        for container in doc.get("spec", {})
+        .get("template", {})
+        .get("spec", {})
+        .get("containers", [])
+    }
+    for image in body.get("images", []):
+        assert image["name"] not in images, (image, images)
+        assert image["newName"] in images, (image, images)
+
+
+def test_a_kustomization_kustomize_refuses_fails_with_its_reason(tmp_path: Path) -> None:
+    shutil.copytree(DEPLOY / "k8s" / "base", tmp_path / "base")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        "resources:\n  - ../base\npatches:\n"
+        "  - target: {kind: Deployment, name: sdcguard-webhook}\n"
+        "    patch: |-\n      - op: replace\n        path: /spec/no/such/field\n        value: 3\n"
+    )
+    with pytest.raises(KustomizeError, match="no/such"):
+        render(tmp_path / "broken")
 
 
 def test_an_invalid_manifest_is_refused() -> None:
