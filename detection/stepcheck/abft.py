@@ -48,7 +48,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from detection.stepcheck.abft_layers import TINY, Expectation, LayerCheck, make_checks
+from detection.stepcheck.abft_layers import (
+    TINY,
+    Expectation,
+    LayerCheck,
+    LinearCheck,
+    WeightPass,
+    make_checks,
+    scheduled,
+)
 
 __all__ = ["LinearChecksums"]
 
@@ -64,9 +72,14 @@ class LinearChecksums:
     ``[forward ratio, gradient ratio]`` as float64 on the device.
     """
 
-    def __init__(self, module: nn.Module, params: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, module: nn.Module, params: Sequence[torch.Tensor], *, every: int = 1
+    ) -> None:
         self.device = params[0].device
         self._open = False
+        # The checksum budget: layer i is checked on the steps with i % every == step % every
+        # (abft_layers.scheduled); 1: every layer on every step.
+        self.every = max(int(every), 1)
         self.layers: list[LayerCheck] = make_checks(module, self)
         n = len(self.layers)
         self._ratio = torch.zeros(max(n, 1), 2, dtype=torch.float64, device=self.device)
@@ -96,13 +109,27 @@ class LinearChecksums:
             handle.remove()
         self._handles.clear()
 
-    def open(self) -> None:
+    def open(self, step: int = 0) -> None:
+        """Begin checking ``step``: the layers its place in the rotation names (all of them
+        with ``every=1``); the others report a ratio of 0 this step."""
         self._ratio.zero_()
         self._notes.clear()
         self._cells.clear()
+        linear: list[LinearCheck] = []
         for layer in self.layers:
             layer.begin()
+            layer.active = scheduled(layer.index, step, self.every)
+            if layer.active and isinstance(layer, LinearCheck):
+                linear.append(layer)
+        # the weight-side terms of this step's Linears, taken together at the first forward
+        weights = WeightPass(linear)
+        for layer in linear:
+            layer.weight_pass = weights
         self._open = True
+
+    def checked(self) -> list[str]:
+        """The layers checked on the step now open (all of them with ``every=1``)."""
+        return [layer.name for layer in self.layers if layer.active]
 
     def close(self) -> None:
         self._open = False
@@ -130,7 +157,8 @@ class LinearChecksums:
             return
         got: list[torch.Tensor] = []
         want: list[torch.Tensor] = []
-        scales: list[torch.Tensor] = []
+        magnitudes: list[torch.Tensor] = []
+        factors: list[float] = []
         lengths: list[int] = []
         layers: list[int] = []
         with torch.no_grad():
@@ -145,19 +173,29 @@ class LinearChecksums:
                 value = layer.reduce(g.detach().float(), is_weight).reshape(-1)
                 if value.numel() == 0:
                     continue
-                scale = expected.scale().reshape(-1)
+                magnitude = expected.magnitude.reshape(-1)
                 got.append(value)
                 want.append(expected.value.reshape(-1))
-                scales.append(scale.expand(value.numel()) if scale.numel() == 1 else scale)
+                magnitudes.append(
+                    magnitude.expand(value.numel()) if magnitude.numel() == 1 else magnitude
+                )
+                factors.append(expected.factor())
                 lengths.append(value.numel())
                 layers.append(layer.index)
             if not got:
                 return
+            # the tolerance scale: magnitude times factor, one multiplication for the bucket when
+            # the factors agree (the same rows and dtype in every layer: the usual case)
+            if len(set(factors)) > 1:
+                magnitudes = [m * f for m, f in zip(magnitudes, factors, strict=True)]
+                factors = [1.0]
             if len(got) == 1:
-                ratio = (got[0] - want[0]).abs_().div_(scales[0] + TINY)
+                scale = torch.add(TINY, magnitudes[0], alpha=factors[0])
+                ratio = (got[0] - want[0]).abs_().div_(scale)
                 self._notes.append(ratio.amax().reshape(1))
             else:
-                ratio = (torch.cat(got) - torch.cat(want)).abs_().div_(torch.cat(scales) + TINY)
+                scale = torch.cat(magnitudes).mul_(factors[0]).add_(TINY)
+                ratio = (torch.cat(got) - torch.cat(want)).abs_().div_(scale)
                 lengths_kept = self._lengths(lengths)
                 # unsafe: the lengths are ours and sum to the data's length by construction;
                 # the default validates them on the host (``min().item()``, then ``all()``),

@@ -40,7 +40,16 @@ from torch import nn
 
 from detection import native
 
-__all__ = ["TINY", "Expectation", "LayerCheck", "make_checks", "unit"]
+__all__ = [
+    "TINY",
+    "Expectation",
+    "LayerCheck",
+    "LinearCheck",
+    "WeightPass",
+    "make_checks",
+    "scheduled",
+    "unit",
+]
 
 TINY = 1e-30
 _STOCK_BN_FORWARD = nn.BatchNorm1d.forward  # the _BatchNorm forward, channel at dim 1
@@ -83,8 +92,13 @@ class Expectation:
         self.rows += rows
         self.u = max(self.u, u)
 
+    def factor(self) -> float:
+        """What :meth:`scale` multiplies the magnitude by: a caller that compares several
+        expectations with the same factor scales them in one op."""
+        return self.u * math.sqrt(max(self.rows, 1))
+
     def scale(self) -> torch.Tensor:
-        return self.magnitude * (self.u * math.sqrt(max(self.rows, 1)))
+        return self.magnitude * self.factor()
 
 
 class LayerCheck:
@@ -107,6 +121,7 @@ class LayerCheck:
     def begin(self) -> None:
         self._expected = {}
         self._unchecked = False
+        self.active = True  # checked this step (the owner's schedule may leave it out)
 
     def checked_parameters(self) -> Iterator[tuple[torch.Tensor, bool]]:
         if self.shared:
@@ -117,7 +132,7 @@ class LayerCheck:
                 yield param, is_weight
 
     def _hook(self, _module: nn.Module, inputs: Any, output: Any) -> None:
-        if not self.owner.is_open or not isinstance(output, torch.Tensor):
+        if not self.owner.is_open or not self.active or not isinstance(output, torch.Tensor):
             return
         if output.numel() == 0:  # an empty batch adds nothing to either identity
             return
@@ -171,35 +186,69 @@ class LayerCheck:
 class LinearCheck(LayerCheck):
     """``nn.Linear``: forward row checksum and weight/bias gradient checksums."""
 
+    def __init__(self, index: int, name: str, module: nn.Module, shared: bool, owner: _Owner):
+        self._consts: dict[tuple[torch.device, int], tuple[torch.Tensor, ...]] = {}
+        super().__init__(index, name, module, shared, owner)
+
     def begin(self) -> None:
         super().begin()
-        # once per step (the weights change only at the update): W.sum(0), the bound
-        # √N·‖W‖_F of ‖|W|.sum(0)‖₂, b.sum() and |b|.sum(); or the native kernel's copy
-        self._cols: tuple[torch.Tensor, torch.Tensor, Any, Any] | None = None
+        # once per step (the weights change only at the update): W.sum(0), ‖W‖_F, b.sum()
+        # (None without a bias) and √K·|b|.sum() + TINY; or the native kernel's copy. Taken for
+        # every Linear checked this step at once (:class:`WeightPass`), at the first forward.
+        self._cols: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None
+        self._cols = None
         self._sums: torch.Tensor | None = None
+        self.weight_pass: WeightPass | None = None
 
-    def _weight_sums(self) -> tuple[torch.Tensor, torch.Tensor, Any, Any] | torch.Tensor:
-        """``(W.sum(0), √N·‖W‖_F, b.sum(), |b|.sum())``, once a step; on a CPU the native
-        kernel's ``K + 3`` floats holding the same (:func:`detection.native.col_sums`)."""
+    def constants(
+        self, device: torch.device, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A float32 ones vector of ``n``, a zero and a ``TINY`` scalar on ``device``, made
+        once and never written: operands that fold a row sum or a product into one op."""
+        key = (device, n)
+        kept = self._consts.get(key)
+        if kept is None:
+            with torch.inference_mode(False):
+                kept = (
+                    torch.ones(n, dtype=torch.float32, device=device),
+                    torch.zeros((), dtype=torch.float32, device=device),
+                    torch.full((), TINY, dtype=torch.float32, device=device),
+                )
+            self._consts[key] = kept
+        return kept[0], kept[1], kept[2]
+
+    def _native_sums(self) -> torch.Tensor | None:
+        """On a CPU, the native kernel's ``K + 3`` floats ``(W.sum(0), ‖W‖_F, b.sum(),
+        |b|.sum())`` (:func:`detection.native.col_sums`); ``None`` where it does not run."""
+        module = self.module
+        assert isinstance(module, nn.Linear)
+        w = module.weight.detach()
+        b = None if module.bias is None else module.bias.detach()
+        if w.device.type != "cpu" or not native.available():
+            return None
+        w = w.float()
+        b = None if b is None else b.float()
+        if native.abft_ok(w) and (b is None or native.abft_ok(b)):
+            return native.col_sums(w, b)
+        return None
+
+    def _weight_sums(
+        self,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | torch.Tensor:
+        """``(W.sum(0), ‖W‖_F, b.sum(), √K·|b|.sum() + TINY)``, once a step; on a CPU the
+        native kernel's ``K + 3`` floats (:func:`detection.native.col_sums`)."""
         if self._sums is not None:
             return self._sums
         if self._cols is None:
-            module = self.module
-            assert isinstance(module, nn.Linear)
-            w = module.weight.detach().float()
-            # Σ_n |W_nk| ≤ √N·‖W_:k‖₂ (Cauchy-Schwarz), so ‖|W|.sum(0)‖₂ ≤ √N·‖W‖_F: one
-            # contiguous norm instead of an |W| temporary and a column sum (a quarter looser
-            # for a dense W, whose τ calibration absorbs it); on a CPU all in one pass.
-            root_n = math.sqrt(w.shape[0])
-            b = None if module.bias is None else module.bias.detach().float()
-            if native.abft_ok(w) and (b is None or native.abft_ok(b)):
-                self._sums = native.col_sums(w, b)
-                return self._sums
-            if b is None:
-                self._cols = (w.sum(0), torch.linalg.vector_norm(w) * root_n, 0.0, 0.0)
+            sums = self._native_sums()
+            if sums is not None:
+                self._sums = sums
+                return sums
+            if self.weight_pass is None:  # checked outside a step's schedule: on its own
+                WeightPass([self]).run()
             else:
-                col, bound = w.sum(0), torch.linalg.vector_norm(w) * root_n
-                self._cols = (col, bound, b.sum(), b.abs().sum())
+                self.weight_pass.run()
+        assert self._cols is not None
         return self._cols
 
     def forward(self, inputs: Any, output: torch.Tensor) -> Any:
@@ -208,27 +257,40 @@ class LinearCheck(LayerCheck):
         x2 = x.detach().reshape(-1, k)
         sums = self._weight_sums()
         xf = x2.float()
-        y2 = output.detach().reshape(-1, output.shape[-1]).float()
-        c = unit(output.dtype) * math.sqrt(k)
+        n = output.shape[-1]
+        u = unit(output.dtype)
         if isinstance(sums, torch.Tensor):
+            y2 = output.detach().reshape(-1, n).float()
+            c = u * math.sqrt(k)
             if native.abft_ok(xf, y2):
                 # on a CPU: one pass over x and y, the same ratio; nothing read back to Python
                 c_bound = c * math.sqrt(y2.shape[1])
                 ratio, x_frobenius = native.linear_forward(xf, y2, sums, c_bound, c, TINY)
                 self.note_forward(ratio)
                 return x2, x_frobenius
-            root_n = math.sqrt(y2.shape[1])
-            col, col_bound, b_sum, b_abs = sums[:k], sums[k] * root_n, sums[k + 1], sums[k + 2]
+            b_sum: torch.Tensor | None = sums[k + 1]
+            col, w_norm = sums[:k], sums[k]
+            bias_term = sums[k + 2] * math.sqrt(k) + TINY
         else:
-            col, col_bound, b_sum, b_abs = sums
-        # y.sum(-1) - x @ W.sum(0) in one matrix-vector call (not on autocast's list: float32)
-        residual = torch.addmv(y2.sum(-1), xf, col, alpha=-1.0)
-        if isinstance(b_sum, torch.Tensor):
-            residual = residual.sub_(b_sum)
+            col, w_norm, b_sum, bias_term = sums
+        # y.sum(-1) - Σb: on float32 one matrix-vector product with ones (-Σb its input)
+        y2 = output.detach().reshape(-1, n)
+        if y2.dtype == torch.float32:
+            ones, zero, _ = self.constants(y2.device, n)
+            start = (zero if b_sum is None else b_sum).expand(y2.shape[0])
+            rows = torch.addmv(start, y2, ones, beta=-1.0)
+        else:  # a float32 sum of the narrow output, without a float32 copy of it
+            rows = y2.sum(-1, dtype=torch.float32)
+            if b_sum is not None:
+                rows = rows.sub_(b_sum)
+        # (y.sum(-1) - Σb - x @ W.sum(0)) / u in one call: 1/u is a power of two, so the
+        # scaling is exact, and u·√K·(‖x_row‖₂·√N‖W‖_F + |b|.sum()) + u·TINY is then
+        # √K·√N·‖x_row‖₂·‖W‖_F + (√K·|b|.sum() + TINY): one addcmul of the step's bias term
+        residual = torch.addmv(rows, xf, col, beta=1.0 / u, alpha=-1.0 / u)
         row_norms = torch.linalg.vector_norm(xf, dim=-1)
-        # per row (‖x_row‖₂·√N‖W‖_F + |b|.sum())·u·√K: a bound of the products' magnitudes
-        scale = (row_norms * (col_bound * c)).add_(b_abs * c + TINY)
-        self.note_forward(residual.abs_().div_(scale).amax())
+        scale = torch.addcmul(bias_term, row_norms, w_norm, value=math.sqrt(k) * math.sqrt(n))
+        # max |residual| / scale: vector_norm(inf) takes the magnitudes and propagates a NaN
+        self.note_forward(torch.linalg.vector_norm(residual.div_(scale), math.inf))
         # ‖x‖_F = ‖(‖x_i‖₂)_i‖₂: the backward's bound from the row norms, not a second read of x
         return x2, torch.linalg.vector_norm(row_norms)
 
@@ -240,15 +302,16 @@ class LinearCheck(LayerCheck):
         # One whole-tensor norm bounds both: ‖x‖_F·√N·‖dy‖_F ≥ every |x|.T @ |dy|.sum(-1)
         # (‖dy_row‖₁ ≤ √N·‖dy_row‖₂, then Cauchy-Schwarz over the rows), and
         # √(N·M)·‖dy‖_F ≥ ‖dy‖₁ for the bias. On a CPU the row sums and the norm are one pass;
-        # elsewhere a dot product of the contiguous gradient with itself is the one-pass sum of
-        # squares (``vector_norm`` takes twice as long).
+        # elsewhere one norm call (a launch fewer than a dot product and its square root,
+        # which is what a GPU pays for on a layer of a few thousand elements).
         if native.abft_ok(d2):
             r, dy_norm = native.row_sums(d2)
         else:
             r = d2.sum(-1)
-            flat = d2.reshape(-1)
-            dy_norm = torch.dot(flat, flat).sqrt_() if flat.is_contiguous() else flat.norm()
-        self.expect(True, torch.mv(xf.t(), r), x_frobenius * dy_norm * math.sqrt(n), rows, dy.dtype)
+            dy_norm = torch.linalg.vector_norm(d2)
+        _, zero, _ = self.constants(d2.device, 0)
+        weight_magnitude = torch.addcmul(zero, x_frobenius, dy_norm, value=math.sqrt(n))
+        self.expect(True, torch.mv(xf.t(), r), weight_magnitude, rows, dy.dtype)
         self.expect(False, r.sum(), dy_norm * math.sqrt(n * rows), rows, dy.dtype)
 
     def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
@@ -257,6 +320,54 @@ class LinearCheck(LayerCheck):
         if gradient.dim() == 2 and native.abft_ok(gradient):
             return native.col_sums(gradient)[: gradient.shape[1]]
         return gradient.sum(0)
+
+
+class WeightPass:
+    """The weight-side terms of every Linear checked on one step, taken together at the first
+    forward that needs them: a column sum and a bias sum per layer, and for all of them one
+    multi-tensor norm of the weights, one of the biases (L1) and one scaling of those, where
+    each layer took six ops of its own. On a GPU each op is a kernel launch, so the count is
+    the cost; the values are those each layer would take alone."""
+
+    def __init__(self, layers: list[LinearCheck]) -> None:
+        self.layers = layers
+        self._done = False
+
+    def run(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        todo = [layer for layer in self.layers if layer._cols is None and layer._sums is None]
+        if not todo:
+            return
+        weights: list[torch.Tensor] = []
+        biases: list[torch.Tensor] = []
+        roots: list[float] = []  # √K of each layer with a bias
+        for layer in todo:
+            module = layer.module
+            assert isinstance(module, nn.Linear)
+            weights.append(module.weight.detach())
+            if module.bias is not None:
+                biases.append(module.bias.detach())
+                roots.append(math.sqrt(module.in_features))
+        with torch.no_grad(), _full_precision(weights[0].device.type):
+            # float32 accumulation of any weight dtype, without a float32 copy of it
+            norms = torch._foreach_norm(weights, 2, dtype=torch.float32)
+            bias_terms: list[torch.Tensor] = []
+            if biases:
+                bias_terms = list(torch._foreach_norm(biases, 1, dtype=torch.float32))
+                torch._foreach_mul_(bias_terms, roots)
+                torch._foreach_add_(bias_terms, TINY)
+            terms = iter(bias_terms)
+            for layer, w, w_norm in zip(todo, weights, norms, strict=True):
+                module = layer.module
+                assert isinstance(module, nn.Linear)
+                col = w.sum(0, dtype=torch.float32)
+                if module.bias is None:
+                    layer._cols = (col, w_norm, None, layer.constants(w.device, 0)[2])
+                else:
+                    b_sum = module.bias.detach().sum(dtype=torch.float32)
+                    layer._cols = (col, w_norm, b_sum, next(terms))
 
 
 class EmbeddingCheck(LayerCheck):
@@ -348,8 +459,10 @@ class NormCheck(LayerCheck):
             self.expect(False, sums[2], sums[3], d2.shape[0], dy.dtype)
             return
         p = d2 * xh2
-        mag_b = d2.abs().sum(0)
-        self.expect(True, p.sum(0), p.abs().sum(0) + mag_b, d2.shape[0], dy.dtype)
+        # Σ|·| per channel as one L1 norm each: no |·| temporaries (an op each on a GPU)
+        mag_b = torch.linalg.vector_norm(d2, 1, dim=0)
+        mag_w = torch.linalg.vector_norm(p, 1, dim=0).add_(mag_b)
+        self.expect(True, p.sum(0), mag_w, d2.shape[0], dy.dtype)
         self.expect(False, d2.sum(0), mag_b, d2.shape[0], dy.dtype)
 
     def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
@@ -369,6 +482,13 @@ def _kind(module: nn.Module) -> type[LayerCheck] | None:
     ):
         return NormCheck if module.affine else None
     return None
+
+
+def scheduled(index: int, step: int, every: int) -> bool:
+    """Whether layer ``index`` is checked on ``step`` when each layer is checked once every
+    ``every`` steps: a rotation every rank computes alike from the step number, a fault that
+    recurs on a layer is seen within ``every`` steps. ``every <= 1``: every layer, every step."""
+    return every <= 1 or index % every == step % every
 
 
 def make_checks(module: nn.Module, owner: _Owner) -> list[LayerCheck]:
