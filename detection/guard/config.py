@@ -74,6 +74,13 @@ class GuardConfig:
     only check of this layer that sees a flip which makes a value smaller. ``None`` (the
     default): on, except on a ``torch.compile`` model, whose traced modules call no hooks (then
     off, logged); ``True``: on, and a compiled model is refused; ``False``: off.
+    ``abft_every``: the checksums' budget — each checked layer is checked once every
+    ``abft_every`` steps, layer ``i`` on the steps with ``i % abft_every == step % abft_every``
+    (a rotation every rank derives from the step number), so a step checks about
+    ``1/abft_every`` of the layers and costs that share of full coverage. Default 8: a one-off
+    flip in a layer's output or gradient is seen by its checksum with probability 1/8 on the
+    step it happens (the statistics still look at every step), a fault that recurs on the same
+    part within 8 steps. ``1``: full coverage, every layer on every step.
     ``defer_decision``: decide each step at the end of the next one, from an all-gather started
     when the step ended and run while the next step computes — the host no longer waits for
     that collective, which on a small model is most of the fixed cost per step. The alarm still
@@ -97,6 +104,7 @@ class GuardConfig:
     step_checks: bool = True
     skip_update_on_alarm: bool = False
     abft: bool | None = None
+    abft_every: int = 8
     defer_decision: bool = False
     stats: StatsConfig = field(default_factory=StatsConfig)
 
@@ -107,6 +115,8 @@ class GuardConfig:
             raise GuardConfigError(f"micro_batches must be ≥ 1, got {self.micro_batches}")
         if self.calibrate < 0:
             raise GuardConfigError(f"calibrate must be ≥ 0, got {self.calibrate}")
+        if self.abft_every < 1:
+            raise GuardConfigError(f"abft_every must be ≥ 1, got {self.abft_every}")
         try:
             object.__setattr__(self, "audit_mode", AuditMode(self.audit_mode))
         except ValueError:

@@ -431,6 +431,7 @@ class SDCGuard:
             skip_update=self.config.skip_update_on_alarm,
             check_reduction=default_reduction,
             extra=self._extra,
+            abft_every=self.config.abft_every,
         )
 
     def _check_determinism_possible(self) -> None:
@@ -498,7 +499,7 @@ class SDCGuard:
             fingerprint_gradients=gradient_audit or self.trace_mode is not None,
             inject=self.injector is not None and self.injector.any_active(),
         )
-        self.checks.begin_step()
+        self.checks.begin_step(step)
         self.buffers.begin_step()
         try:
             with self._deterministic(gradient_audit):

@@ -78,6 +78,7 @@ def guard_config_of(config: TrainConfig) -> GuardConfig:
         abft=config.abft,
         skip_update_on_alarm=config.skip_update_on_alarm,
         defer_decision=config.defer_decision,
+        abft_every=GuardConfig.abft_every if config.abft_every is None else config.abft_every,
     )
 
 

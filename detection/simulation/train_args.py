@@ -118,6 +118,14 @@ def _guard_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         help="no layer checksums: the per-step statistics alone",
     )
     p.add_argument(
+        "--abft-every",
+        type=int,
+        default=None,
+        metavar="K",
+        help="check each layer's checksums once every K steps, in rotation (default: the "
+        "guard's, 8); 1: every layer on every step",
+    )
+    p.add_argument(
         "--skip-update-on-alarm",
         action="store_true",
         help="a step the per-step layer finds corrupted updates no weight, on every rank",

@@ -81,6 +81,7 @@ class Workload:
     inject: tuple[str, ...] = ()
     skip_update: bool = False
     abft: bool | None = None  # None: GuardConfig's default (on)
+    abft_every: int | None = None  # None: GuardConfig's checksum budget; 1: full coverage
     stats: StatsConfig = field(default_factory=StatsConfig)
 
     def label(self) -> str:
@@ -91,6 +92,8 @@ class Workload:
             parts.append("bf16 autocast")
         if self.abft is False:
             parts.append("no abft")
+        elif self.abft_every is not None:
+            parts.append(f"abft every {self.abft_every}")
         return ", ".join(parts)
 
 
@@ -129,6 +132,7 @@ def run_guarded(rank: int, world_size: int, work: Workload) -> dict[str, Any]:
             skip_update_on_alarm=work.skip_update,
             abft=work.abft,
             stats=work.stats,
+            abft_every=GuardConfig.abft_every if work.abft_every is None else work.abft_every,
         ),
     )
 

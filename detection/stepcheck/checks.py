@@ -192,6 +192,7 @@ class StepChecks:
         skip_update: bool,
         check_reduction: bool,
         extra: dict[str, Any],
+        abft_every: int = 1,
     ) -> None:
         self.optimizers = list(optimizers)
         self.params = list(params)
@@ -203,7 +204,9 @@ class StepChecks:
         self.stats = LocalGradStats(self.device)
         self.detector = GradStatsDetector(world_size, config)
         self.enabled = enabled
-        self.abft = LinearChecksums(module, self.params) if abft and enabled else None
+        self.abft = (
+            LinearChecksums(module, self.params, every=abft_every) if abft and enabled else None
+        )
         self._abft_clean: list[float] = []
         self._abft_tau: list[float] | None = None
         self._check_reduction = check_reduction
@@ -240,13 +243,14 @@ class StepChecks:
         return None if self._decided else self.stats.on_reduced(key, reduced)
 
     # -- the step -------------------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, step: int = 0) -> None:
+        """Open ``step``; its number places it in the checksums' rotation (``abft_every``)."""
         self.stats.clear()
         self._pending = []
         self._carried = None
         self._decided = not self.enabled
         if self.abft is not None:
-            self.abft.open()
+            self.abft.open(step)
 
     def end_step(self) -> None:
         self._decided = True

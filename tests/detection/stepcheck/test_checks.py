@@ -30,10 +30,19 @@ def _specs(kind: str, world: int, bits: list[int], count: int) -> tuple[str, ...
 def test_four_ranks_catch_high_bit_flips_on_their_step_and_clean_runs_stay_silent() -> None:
     high = [27, 28, 29, 30]
     jobs = [
-        # the matrix in small: bits 27-30 with the default configuration (ABFT on), both
-        # models, both kinds
+        # the matrix in small: bits 27-30 with the checksums on every layer at every step
+        # (abft_every=1: full coverage, what they can see), both models, both kinds. The
+        # default budget checks a layer on one step in abft_every, so there a one-off flip
+        # meets its checksum with that probability (test_harness_flags: on the layer's turn)
         *(
-            Workload(model, seed=1, steps=54, inject=_specs(kind, 4, high, 8), skip_update=True)
+            Workload(
+                model,
+                seed=1,
+                steps=54,
+                inject=_specs(kind, 4, high, 8),
+                skip_update=True,
+                abft_every=1,
+            )
             for model in ("tiny", "mlp")
             for kind in ("grad-flip", "act-flip")
         ),
