@@ -16,8 +16,11 @@ optimizer:
   decision comes a step later);
 * ``bare``     — the same with the per-step layer off (``step_checks=False``), so its own cost
   is the difference of the two rows;
-* ``abft``     — ``checks`` with the ABFT checksums (``abft=True``): the default configuration
-  of an eager model (``GuardConfig.abft=None`` turns them on unless the model is compiled);
+* ``abft``     — ``checks`` with the ABFT checksums (``abft=True``) under their default budget
+  (``abft_every=8``: each layer checked once every 8 steps, in rotation): the default
+  configuration of an eager model (``GuardConfig.abft=None`` turns them on unless the model is
+  compiled);
+* ``abft-full`` — ``abft`` with every layer checked on every step (``abft_every=1``);
 * ``abft-torch`` — ``abft`` with the C kernels switched off, as ``torch`` is ``checks``: the
   pair measures the checksums' fused passes side by side;
 * ``state``    — the same with ``vote_optimizer_state=True`` (the vote also reads Adam's two
@@ -58,6 +61,12 @@ default and at most 0.5M), where a step takes milliseconds and what sdcguard add
 whatever the model — fingerprint launches, the all-gather, the host synchronisation — dominates;
 each table prints that fixed per-step cost in ms (median of ``checks - plain`` per round).
 
+Beside the time ratios, each row prints the operations the guard adds to a step on the torch
+path a GPU takes, counted by ``benchmarks/ops_per_step.py`` (its own model: blocks of
+Linear+LayerNorm, world size 2; means per step over a period of the checksums' rotation) at
+2, 8 and 32 blocks, and their growth per block (``--ops-depths``; ``--ops-depths 0`` skips it).
+On a GPU a model that does not fill it pays those launches at some 5-10 µs of host time each.
+
 Run ``python benchmarks/overhead.py --help`` for the knobs; the defaults take a few minutes on
 two cores, most of it the one-time compilation of the fingerprint kernel in each rank.
 """
@@ -81,6 +90,7 @@ from pathlib import Path
 from typing import Any
 
 import loop_paths  # benchmarks/ is on sys.path when this file runs as a script
+import ops_per_step
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -102,6 +112,7 @@ VARIANTS = (
     "defer",
     "bare",
     "abft",
+    "abft-full",
     "abft-torch",
     "state",
     "loss",
@@ -116,6 +127,7 @@ ROWS = (
     ("  (torch ops, native kernels off)", "torch", 0, None, None),
     ("  (per-step layer off)", "bare", 0, 1.074, 1.02),
     ("  (+ ABFT checksums = default)", "abft", 0, None, 1.10),
+    ("  (ABFT every layer, every step)", "abft-full", 0, None, None),
     ("  (ABFT, native kernels off)", "abft-torch", 0, None, None),
     ("  (+ optimizer-state vote)", "state", 0, None, None),
     ("loss audit every 10 steps", "loss", 10, 1.125, 1.05),
@@ -265,6 +277,7 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
         "defer": (0, "loss", False),
         "bare": (0, "loss", False),
         "abft": (0, "loss", False),
+        "abft-full": (0, "loss", False),
         "abft-torch": (0, "loss", False),
         "state": (0, "loss", True),
         "loss": (1, "loss", False),
@@ -283,7 +296,8 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
                 audit_mode=mode,
                 vote_optimizer_state=state,
                 step_checks=name != "bare",
-                abft=name in ("abft", "abft-torch"),
+                abft=name in ("abft", "abft-full", "abft-torch"),
+                abft_every=1 if name == "abft-full" else GuardConfig.abft_every,
                 defer_decision=name == "defer",
                 # a short warm-up, so the rounds measure the tests in force, not calibration
                 stats=StatsConfig(warmup=3),
@@ -402,7 +416,50 @@ def _fixed_ms(samples: list[dict[str, float]], variant: str = "checks") -> float
     return statistics.median(s[variant] - s["plain"] for s in samples)
 
 
-def _table(bench: Bench, result: dict[str, Any], rows: tuple[Any, ...] = ROWS) -> str:
+# The counter's configuration (benchmarks/ops_per_step.py VARIANTS) of each timed variant: the
+# counter runs the GPU's torch path whatever the kernels, so ``torch`` counts as ``checks``.
+OPS_VARIANT = {
+    "checks": "checks",
+    "torch": "checks",
+    "defer": "defer",
+    "bare": "bare",
+    "abft": "default",
+    "abft-full": "abft-full",
+    "abft-torch": "default",
+    "state": "state",
+    "loss": "loss-audit",
+    "gradient": "gradient-audit",
+}
+
+
+def _ops(depths: list[int]) -> dict[str, list[dict[str, Any]]]:
+    """The counter's rows for every configuration the table times (one pair of ranks)."""
+    return ops_per_step.table(depths, sorted(set(OPS_VARIANT.values())))
+
+
+def _ops_cells(ops: dict[str, list[dict[str, Any]]], variant: str, every: int) -> str:
+    """Operations added per step at each depth and per block, as ``_ratio`` mixes an audited
+    job's steps: ``((K - 1)·checks + audit) / K``."""
+    name = OPS_VARIANT.get(variant)
+    if name is None:
+        return ""
+    rows = ops[name]
+    if every:
+        checks = ops["checks"]
+        rows = [
+            {**r, "added": ((every - 1) * c["added"] + r["added"]) / every}
+            for r, c in zip(rows, checks, strict=True)
+        ]
+    added = "/".join(f"{r['added']:.0f}" for r in rows)
+    return f"  {added:>14} {ops_per_step.per_block(rows):6.1f}" if len(rows) > 1 else added
+
+
+def _table(
+    bench: Bench,
+    result: dict[str, Any],
+    rows: tuple[Any, ...] = ROWS,
+    ops: dict[str, list[dict[str, Any]]] | None = None,
+) -> str:
     """The rows' ratios, wall and CPU. Which of the two a target is held to: CPU time on CPU
     (a shared host's wall time includes waiting for the other rank's core), wall time on a GPU
     (a step's kernels run off the host; its CPU time is only what launched them)."""
@@ -431,10 +488,21 @@ def _table(bench: Bench, result: dict[str, Any], rows: tuple[Any, ...] = ROWS) -
         f"{_fixed_ms(wall, 'hook'):.3f} ms wall, {_fixed_ms(cpu, 'hook'):.3f} ms CPU",
         "ratios: median over rounds of (sdcguard step / plain step of the same round); "
         f"{held_name} 95 %: a bootstrap interval of that median over the rounds",
-        "",
-        f"{'':32} {'wall':>7} {'CPU':>7} {held_name + ' 95 %':>13} {'target':>7} "
-        f"{'AWS ref':>8}  met ({held_name})",
     ]
+    header = (
+        f"{'':32} {'wall':>7} {'CPU':>7} {held_name + ' 95 %':>13} {'target':>7} "
+        f"{'AWS ref':>8}  met ({held_name})"
+    )
+    if ops:
+        depths = "/".join(str(r["blocks"]) for r in next(iter(ops.values())))
+        plain = "/".join(f"{r['plain']:.0f}" for r in next(iter(ops.values())))
+        lines.append(
+            f"ops: operations the guard adds per step on a GPU's torch path "
+            f"(benchmarks/ops_per_step.py: blocks of Linear+LayerNorm, world size 2) at "
+            f"{depths} blocks, where a plain step takes {plain}; and per block"
+        )
+        header = f"{header:<80} {'ops ' + depths:>16} {'/block':>6}"
+    lines += ["", header]
     for label, variant, every, reference, target in rows:
         r_wall, r_cpu = _ratio(wall, variant, every), _ratio(cpu, variant, every)
         r_held = _ratio(held, variant, every)
@@ -444,6 +512,8 @@ def _table(bench: Bench, result: dict[str, Any], rows: tuple[Any, ...] = ROWS) -
             met = "yes" if r_held <= target else f"no (+{(r_held - target) * 100:.1f} pt)"
             ref = f"{reference:8.3f}" if reference is not None else f"{'-':>8}"
             row += f" {target:7.3f} {ref}  {met}"
+        if ops:
+            row = f"{row:<80}{_ops_cells(ops, variant, every)}"
         lines.append(row)
     return "\n".join(lines)
 
@@ -456,17 +526,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
     parser.add_argument("--dump", type=Path, default=None, help="write the raw samples here")
     parser.add_argument("--small-only", action="store_true", help="only the small-model run")
+    parser.add_argument(
+        "--ops-depths",
+        type=int,
+        nargs="+",
+        default=[2, 8, 32],
+        help="depths of the operation counts beside the ratios (0: none)",
+    )
     args = parser.parse_args(argv)
-    options = {k: v for k, v in vars(args).items() if k not in ("dump", "small_only")}
+    extra = ("dump", "small_only", "ops_depths")
+    options = {k: v for k, v in vars(args).items() if k not in extra}
     bench = Bench(**options)
     if bench.loop_paths and bench.device != "cpu":
         raise SystemExit("--loop-paths runs on the CPU only")
     started = time.monotonic()
+    depths = [d for d in args.ops_depths if d > 0]
+    ops = _ops(depths) if depths else None
     if not args.small_only:
         result = _run(bench)
         if args.dump is not None:
-            args.dump.write_text(json.dumps(result))
-        print(_table(bench, result))
+            args.dump.write_text(json.dumps({**result, "ops": ops}))
+        print(_table(bench, result, ROWS, ops))
         if result.get("loops"):
             print(loop_paths.table(result["loops"]))
     small = bench.small()
@@ -474,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     if small_result["params"] > SMALL_MAX_PARAMS:
         raise SystemExit(f"the small model has {small_result['params']:,} parameters (> 0.5M)")
     print()
-    print(_table(small, small_result, (*SMALL_ROWS, *ROWS)))
+    print(_table(small, small_result, (*SMALL_ROWS, *ROWS), ops))
     print(f"(took {time.monotonic() - started:.0f} s)")
     return 0
 

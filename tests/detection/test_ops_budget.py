@@ -1,0 +1,32 @@
+"""The guard's per-step operations on the torch path a GPU takes, held to their budget.
+
+On a GPU the guard's cost is kernel launches (``benchmarks/ops_per_step.py`` counts them, views
+and allocations left out, on a CPU with ``SDCGUARD_NATIVE=0``). The budget: from 2 to 32 blocks
+of Linear+LayerNorm the default configuration adds at most 4 operations a step per block, and at
+32 blocks at most 30 % of a plain step's. The checksums' rotation (``abft_every``) makes steps
+differ by phase, so the counts are means over a period, each period repeating the last op for
+op. Full coverage (``abft_every=1``) is held to its own count per block, so that a change which
+makes every checked layer launch more shows here too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import ops_per_step  # noqa: E402
+
+
+def test_the_default_adds_at_most_four_ops_per_block_and_30_percent_of_a_plain_step() -> None:
+    tables = ops_per_step.table([2, 32], ["default", "abft-full"])
+    default, full = tables["default"], tables["abft-full"]
+    assert default[0]["period"] == 8  # GuardConfig().abft_every: a period of the rotation
+    assert ops_per_step.per_block(default) <= 4.0, default
+    deep = default[-1]
+    assert deep["added"] <= 0.30 * deep["plain"], deep
+    # every layer on every step: the checked layers' own ops, today 24.4 a block (42.3 before)
+    assert ops_per_step.per_block(full) <= 26.0, full
