@@ -3,6 +3,11 @@
 #
 #   tests        the tests that need a GPU (tests/detection/weights/test_device_graph.py: the CUDA-graph
 #                replays against the definition), with pytest;
+#   llama        the guard on a model that fills the GPU: a Llama-style decoder of ~370M
+#                parameters, sequence 2,048, bf16 autocast, AdamW, world size 1 (NCCL); plain vs
+#                the default (checksums every 8 steps per layer) vs full checksums, the ratios
+#                with 95 % intervals, the ms added a step, and the host synchronisations and
+#                launches a step from the profiler (benchmarks/cuda_llama.py; within 8 minutes);
 #   syncs        host synchronisations a guarded step adds, counted with the profiler
 #                (benchmarks/cuda_syncs.py, world size 1, NCCL);
 #   launches     where a guarded step's host time goes: step times, kernel launches and each
@@ -52,6 +57,9 @@ print("host CPUs", os.cpu_count(), "load", os.getloadavg()[0])
 # need not have; these tests need only torch
 part tests "${TESTS_LIMIT:-180}" "$py" -m pytest --noconftest -q -p no:cacheprovider -o addopts= \
     tests/detection/weights/test_device_graph.py
+# its own wall-clock budget ends the timed rounds at 360 s, leaving the profiled steps and the
+# close inside the part's limit
+part llama "${LLAMA_LIMIT:-480}" "$py" benchmarks/cuda_llama.py --budget-s "${LLAMA_BUDGET:-360}"
 part syncs "${SYNCS_LIMIT:-240}" "$py" benchmarks/cuda_syncs.py --steps 20
 part launches "${LAUNCHES_LIMIT:-240}" "$py" benchmarks/cuda_launches.py --rounds 30 --steps 5
 part overhead-1 "${OVERHEAD1_LIMIT:-300}" "$py" benchmarks/overhead.py --device cuda \
