@@ -116,3 +116,29 @@ def test_an_empty_batch_is_no_call_and_the_next_one_is_checked(kernels: str) -> 
     assert (ratios[:, 1] > 0).all(), ratios.tolist()  # every gradient checked
     assert (ratios[linear, 0] > 0).all(), ratios.tolist()  # every Linear's forward too
     assert ratios.max().item() < 1.0
+
+
+def test_a_rotation_checks_each_layer_on_its_turn_exactly_as_full_coverage(kernels: str) -> None:
+    """``every=3``: on step ``s`` the layers with ``index % 3 == s % 3`` report the ratios full
+    coverage reports for them, the others 0; over three steps every layer is checked once."""
+    torch.manual_seed(0)
+    model, loss = _tiny()
+    params = list(model.parameters())
+    full, rotation = LinearChecksums(model, params), LinearChecksums(model, params, every=3)
+    seen = set()
+    for s in range(3):
+        full.open(s)
+        rotation.open(s)
+        assert rotation.checked() == [n for i, n in enumerate(full.names) if i % 3 == s]
+        model.zero_grad(set_to_none=True)
+        loss(model, s, False).backward()
+        pairs = [(p, p.grad) for p in params if p.grad is not None]
+        for abft in (full, rotation):
+            abft.on_local_gradient(pairs)
+            abft.close()
+        want, got = full.ratios().view(-1, 2), rotation.ratios().view(-1, 2)
+        turn = torch.tensor([i % 3 == s for i in range(len(full.names))])
+        assert torch.count_nonzero(got[~turn]) == 0
+        torch.testing.assert_close(got[turn], want[turn], rtol=1e-6, atol=0.0)
+        seen.update(rotation.checked())
+    assert seen == set(full.names)
