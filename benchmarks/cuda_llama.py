@@ -347,7 +347,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda:0" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=60))
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=1)
