@@ -160,7 +160,11 @@ def _rank(
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=120)
     )
-    from detection import GuardConfig, SDCGuard
+    from detection import GuardConfig, SDCGuard, native
+
+    # also when an importing parent (overhead.py) loaded detection before the variable was set:
+    # the spawned rank re-imports that parent's modules first
+    native.set_enabled(False)
 
     results = []
     for blocks, variant in jobs:

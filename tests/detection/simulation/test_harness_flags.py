@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from detection.stepcheck.abft import LinearChecksums
 from detection.guard import GuardConfig
 from detection.harness import main, parse_config
 from detection.simulation.model import ModelConfig, TinyTransformer
 from detection.simulation.rank import guard_config_of
+from detection.stepcheck.abft import LinearChecksums
 
 FLIP = "act-flip@0:27:29"  # after the 25-step warm-up of the per-step layer
 
