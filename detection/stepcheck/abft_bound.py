@@ -19,14 +19,14 @@ What the residual holds, relative to ``Σ|terms|`` (each worst case, for any sum
 * the recomputation of a normalisation's ``x̂`` (``|Δx̂| ≤ 4 u₃₂`` relative; the norm ratios'
   magnitude carries ``Σ|dy|`` for it): ``4 · u₃₂``;
 * the accumulations: the layer's own over ``L`` (float32 accumulators, as CPUs and GPUs use for
-  bf16/fp16 products) and the checksum's own over ``L``, ``γ(L)`` each, and the checksum's two
-  sums across the other dimension ``W`` (``N`` outputs of a Linear), ``γ(W)`` each, with
-  ``γ(n) = n·u₃₂ / (1 - n·u₃₂)``.
+  bf16/fp16 products) and the checksum's own over ``L``, ``gamma(L)`` each, and the checksum's two
+  sums across the other dimension ``W`` (``N`` outputs of a Linear), ``gamma(W)`` each, with
+  ``gamma(n) = n·u₃₂ / (1 - n·u₃₂)``.
 
-So ``|residual| ≤ B_w · Σ|terms|`` with ``B_w = 4u_c + u + 4u₃₂ + 2γ(L) + 2γ(W)``. That grows as
-``L`` and ``W`` do; the probabilistic analysis of rounding (Higham and Mary, 2019: independent,
-mean-zero errors) replaces ``γ(n)`` by ``λ·√n·u₃₂``, which holds except with probability below
-``2n·exp(-λ²/2)`` — with ``λ = 10`` below 10⁻¹⁸ for any ``n`` a model has:
+So ``|residual| ≤ B_w · Σ|terms|`` with ``B_w = 4u_c + u + 4u₃₂ + 2gamma(L) + 2gamma(W)``.
+That grows as ``L`` and ``W`` do; the probabilistic analysis of rounding (Higham and Mary,
+2019: independent, mean-zero errors) replaces ``gamma(n)`` by ``λ·√n·u₃₂``, which holds except
+with probability below ``2n·exp(-λ²/2)`` — with ``λ = 10`` below 10⁻¹⁵ for ``n`` up to 10⁶:
 ``B_p = 4u_c + u + 4u₃₂ + λ·(2√L + 2√W)·u₃₂``. The tolerance is ``min(B_w, B_p) / (u · √L)``
 in the ratio's units.
 
@@ -37,8 +37,8 @@ autocast: ``5·2⁻⁸ + 132·u₃₂``, a tolerance of 0.88.
 
 What it costs: a flip of an output or gradient element ``e`` moves the residual by ``e`` (raising:
 by ``e · (2^(2^(bit-23)) - 1)``), seen when that exceeds ``min(B_w, B_p) · Σ|terms|``: for a
-raising bit 27+ flip (×2¹⁶ or more) every element above ``2⁻¹⁶`` of that bound, for a flip that
-shrinks an element the element itself — in float32 one above ~10⁻⁵ of ``Σ|terms|``.
+raising bit 27+ flip (a factor 2¹⁶ or more) every element above ``2⁻¹⁶`` of that bound, for a
+flip that shrinks an element the element itself — in float32 one above ~10⁻⁵ of ``Σ|terms|``.
 """
 
 from __future__ import annotations

@@ -23,9 +23,10 @@ Tolerance of a gradient comparison: ``|got - expected| / (u · √M · Σ|terms|
 unit roundoff of the gradient's dtype, the sum of the terms' magnitudes taken in the same pass;
 for a normalisation weight the magnitude also carries ``Σ|dy|``, which bounds the rounding of
 the recomputed ``x̂`` (``|Δx̂| ≲ u``). Every ratio is then divided by its rounding bound
-(:func:`detection.stepcheck.abft_bound.tolerance` of its lengths and dtypes), so it reads in units of
-that bound: at most 1 for clean arithmetic, from the first step, with nothing learnt. A layer kind not listed (or an ``Embedding`` with
-``max_norm``, ``sparse`` or ``scale_grad_by_freq``, a ``SyncBatchNorm``) is not checked.
+(:func:`detection.stepcheck.abft_bound.tolerance` of its lengths and dtypes), so it reads in
+units of that bound: at most 1 for clean arithmetic, from the first step, with nothing learnt.
+A layer kind not listed (or an ``Embedding`` with ``max_norm``, ``sparse`` or
+``scale_grad_by_freq``, a ``SyncBatchNorm``) is not checked.
 """
 
 from __future__ import annotations

@@ -220,6 +220,22 @@ class StepChecks:
         if self.abft is not None:
             self.abft.close_hooks()
 
+    # -- learnt state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What this layer learnt (:mod:`detection.guard.state`): the statistics' references;
+        the checksums learn nothing (their tolerance is derived), so only their layers' names."""
+        return {
+            "gradstats": self.detector.state_dict(),
+            "abft_layers": self.abft.names if self.abft is not None else [],
+            "tested_steps": self.tested_steps,
+            "nonfinite_steps": self.nonfinite_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state["gradstats"])
+        self.tested_steps = int(state["tested_steps"])
+        self.nonfinite_steps = int(state["nonfinite_steps"])
+
     # -- the comm hook's calls ------------------------------------------------------------------
     def on_local(self, key: int, bucket: dist.GradBucket) -> torch.Tensor | None:
         """The local bucket's statistics; returns its sum, which the non-finite check shares."""
@@ -469,7 +485,9 @@ class StepChecks:
             abft = self._abft_finding(ratios)
             if abft is not None:
                 found.append(abft)
-        self.detector.reset_if_layout_changed(n_buckets)
+        # the buckets' sizes name the layout (a count alone misses DDP's rebuilt buckets)
+        layout = tuple(numel) if len(numel) == n_buckets else n_buckets
+        self.detector.reset_if_layout_changed(layout)
         names = _statistic_names(n_buckets)
         clean = not found  # the histories learn a step no layer found anything in
         stats = self.detector.test_learn_table(names, step.values, learn=clean)

@@ -27,7 +27,7 @@ averages with weight ``1/n``, then an exponential average with weight ``alpha``)
 with the conservative floor ``log E`` (``early_factor``, 64) in place of ``log F``: the
 cross-rank test against the same step's median from step 0 (the spread learnt so far, 0 at
 first, times ``k``), the temporal test from the rank's second step on. A raising bit-30 flip
-(×2¹²⁸) is far beyond either; what the early floor gives up is the low factors the learnt
+(a factor 2¹²⁸) is far beyond either; what the early floor gives up is the low factors the learnt
 spread will allow later.
 
 Learning is robust: a step with any finding (of any layer) is not learnt, and while a reference
@@ -82,7 +82,8 @@ class StatsConfig:
     ``k``: threshold in units of the calibrated spread. ``floor_factor``: a statistic must at
     least be multiplied by this factor to be named, whatever its spread (a statistic that never
     moves would otherwise fire on rounding noise). ``warmup``: clean steps a reference learns
-    before its tests take the learnt threshold. ``alpha``: weight of a new clean step in the running averages after warm-up.
+    before its tests take the learnt threshold. ``alpha``: weight of a new clean step in the
+    running averages after warm-up.
     ``early_factor``: the floor in place of ``floor_factor`` while a reference holds fewer than
     ``warmup`` clean steps (the tests speak from the first step). ``abft_margin``: the ABFT
     tolerance ``τ`` of every layer, in units of its rounding bound derived from the arithmetic
@@ -410,6 +411,27 @@ class ScalarTests:
     def learn(self, values: Sequence[dict[str, float]]) -> None:
         """Fold a clean step into the histories."""
         self._learn_logs(*_logs_of(values))
+
+    def export(self) -> dict[str, Any]:
+        """What was learnt, as plain lists (:meth:`GradStatsDetector.state_dict`)."""
+        names = list(dict.fromkeys([*(n for _, n in self._temporal), *self._spread]))
+        return {
+            "steps_learnt": self.steps_learnt,
+            "names": names,
+            "temporal": [[r, n, h.mean, h.dev, h.n] for (r, n), h in self._temporal.items()],
+            "spread": [[n, h.mean, h.dev, h.n] for n, h in self._spread.items()],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.steps_learnt = int(state["steps_learnt"])
+        self._temporal = {
+            (int(r), str(n)): _History(float(m), float(d), int(c))
+            for r, n, m, d, c in state["temporal"]
+        }
+        self._spread = {
+            str(n): _History(float(m), float(d), int(c)) for n, m, d, c in state["spread"]
+        }
+        self._mature = False
 
 
 def _logs_of(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -108,6 +109,38 @@ class ArrayTests:
                         int(self._t_n[r, c]),
                     )
         return dict(sorted(out.items()))
+
+    def export(self) -> dict[str, Any]:
+        """What was learnt, as plain lists, in the loop's format (``_ScalarTests.export``)."""
+        temporal = [
+            [r, name, float(self._t_mean[r, c]), float(self._t_dev[r, c]), int(self._t_n[r, c])]
+            for r in range(self._t_n.shape[0])
+            for name, c in self._cols.items()
+            if self._t_n[r, c]
+        ]
+        spread = [
+            [name, float(self._s_mean[c]), float(self._s_dev[c]), int(self._s_n[c])]
+            for name, c in self._cols.items()
+            if self._s_n[c]
+        ]
+        return {
+            "steps_learnt": self.steps_learnt,
+            "names": list(self._names),
+            "temporal": temporal,
+            "spread": spread,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.steps_learnt = int(state["steps_learnt"])
+        self._columns([str(n) for n in state["names"]])
+        for r, name, mean, dev, n in state["temporal"]:
+            c = self._cols[str(name)]
+            self._t_mean[int(r), c], self._t_dev[int(r), c], self._t_n[int(r), c] = mean, dev, n
+        for name, mean, dev, n in state["spread"]:
+            c = self._cols[str(name)]
+            self._s_mean[c], self._s_dev[c], self._s_n[c] = mean, dev, n
+        self._seen = None
+        self._mature = False
 
     def test_table(self, names: Sequence[str], raw: _Array) -> list[StatFinding]:
         """The findings of this step, at most one per rank; ``raw[r, j]`` is the value of
@@ -210,7 +243,7 @@ class ArrayTests:
                 scale = np.where(s_n[young] > 0, self._s_mean[cols][young], 0.0)
                 with np.errstate(invalid="ignore"):
                     cross[:, young] = part - _median(part) > np.maximum(k * scale, floor)
-        return temporal | cross, cross.any(axis=0)
+        return temporal | cross, np.asarray(cross.any(axis=0), dtype=bool)
 
     def _logs(self, raw: _Array) -> _Array:
         """:func:`_logs` of ``raw``, reused when the table is the last one asked for: a clean

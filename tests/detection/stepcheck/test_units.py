@@ -584,7 +584,15 @@ def _flipped(out: torch.Tensor, index: int, bit: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"k": 0.0}, {"floor_factor": 1.0}, {"warmup": 0}, {"alpha": 0.0}, {"abft_margin": 0.5}, {"early_factor": 4.0}]
+    "bad",
+    [
+        {"k": 0.0},
+        {"floor_factor": 1.0},
+        {"warmup": 0},
+        {"alpha": 0.0},
+        {"abft_margin": 0.5},
+        {"early_factor": 4.0},
+    ],
 )
 def test_stats_config_refuses_values_that_would_disarm_the_tests(bad: dict[str, float]) -> None:
     with pytest.raises(StatsConfigError):
