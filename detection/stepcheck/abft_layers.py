@@ -82,6 +82,7 @@ class Expectation:
     u: float
     width: int = 1  # the checksum's sums across the other dimension (abft_bound)
     u_c: float = 0.0  # the unit of the inputs' rounding in the forward (abft_bound)
+    u_a: float = 0.0  # the unit the layer's backward accumulates in, beyond float32's
 
     def add(
         self,
@@ -91,6 +92,7 @@ class Expectation:
         u: float,
         width: int = 1,
         u_c: float = 0.0,
+        u_a: float = 0.0,
     ) -> None:
         self.value = self.value + value
         self.magnitude = self.magnitude + magnitude
@@ -98,10 +100,11 @@ class Expectation:
         self.u = max(self.u, u)
         self.width = max(self.width, width)
         self.u_c = max(self.u_c, u_c)
+        self.u_a = max(self.u_a, u_a)
 
     def scale(self) -> torch.Tensor:
         rows = max(self.rows, 1)
-        bound = tolerance(rows, self.width, self.u, self.u_c)
+        bound = tolerance(rows, self.width, self.u, self.u_c, self.u_a)
         return self.magnitude * (self.u * math.sqrt(rows) * bound)
 
 
@@ -173,13 +176,16 @@ class LayerCheck:
         dtype: torch.dtype,
         width: int = 1,
     ) -> None:
+        # a GEMM accumulates in float32; the other kernels' reductions (a normalisation's or an
+        # embedding's backward) may in the gradient's own dtype (a CPU's bf16 LayerNorm does)
+        u_a = 0.0 if isinstance(self, LinearCheck) else unit(dtype)
         current = self._expected.get(is_weight)
         if current is None:
             self._expected[is_weight] = Expectation(
-                value, magnitude, rows, unit(dtype), width, self.u_c
+                value, magnitude, rows, unit(dtype), width, self.u_c, u_a
             )
         else:
-            current.add(value, magnitude, rows, unit(dtype), width, self.u_c)
+            current.add(value, magnitude, rows, unit(dtype), width, self.u_c, u_a)
 
     def expected(self, is_weight: bool) -> Expectation | None:
         return None if self._unchecked else self._expected.get(is_weight)

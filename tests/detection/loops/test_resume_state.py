@@ -1,4 +1,4 @@
-"""Recipe: the guard's learnt state in a loop's own checkpoint (docs/detection.md, "Resuming").
+"""Recipe: the guard's learnt state in a loop's own checkpoint (docs/guide.md, "Resuming").
 
 A job checkpoints at step ``SAVED`` with ``"sdcguard": guard.state_dict()`` beside the model and
 optimizer; every rank holds the same state (checked). A resumed job loads it before its first

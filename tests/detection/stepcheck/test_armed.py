@@ -16,10 +16,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from detection.stepcheck.gradstats import StatsConfig
 from detection.guard.state import read_state
 from detection.harness import TrainConfig, run
 from detection.simulation.workloads import Workload, run_many
+from detection.stepcheck.gradstats import StatsConfig
 from tests.detection.conftest import run_ranks
 
 WORLD = 4
@@ -59,7 +59,12 @@ def test_flips_from_step_one_are_caught_on_their_step_and_clean_runs_stay_silent
         Workload("mlp", seed=22, steps=30, autocast=True, accumulate=2, stats=stats),
         Workload("tiny", seed=23, steps=30, autocast=True, stats=stats),
     ]
-    results = run_ranks(run_many, WORLD, [*faulty, *clean], timeout_s=600)
+    # the checks that need no history, at steps 0 and 1: a flip in rank 2's reduced bucket (the
+    # all-reduce algebra), a NaN in rank 1's local gradient (the non-finite check)
+    first_steps = Workload(
+        "mlp", seed=24, steps=3, inject=("reduced-flip@2:0:23", "grad-nan@1:1"), skip_update=True
+    )
+    results = run_ranks(run_many, WORLD, [*faulty, *clean, first_steps], timeout_s=600)
     caught = [_caught(results, i) for i in range(len(faulty))]
     hits, flips = sum(c for c, _ in caught), sum(n for _, n in caught)
     assert flips == 32
@@ -67,6 +72,8 @@ def test_flips_from_step_one_are_caught_on_their_step_and_clean_runs_stay_silent
     for i in range(len(faulty), len(faulty) + len(clean)):
         assert results[0][i]["alarms"] == [], (i, results[0][i]["alarms"])
         assert len({per[i]["fingerprint"] for per in results}) == 1
+    alarms = [(a["step"], a["layer"], a["suspect_ranks"]) for a in results[0][-1]["alarms"]]
+    assert alarms == [(0, "allreduce", [2]), (1, "nonfinite", [1])]
 
 
 # (step 3, a later step whose grad-flip hits the same parameter: element (step * 7919) mod n)
