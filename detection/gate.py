@@ -274,7 +274,6 @@ class CheckpointGate:
         """
         if self.directory is None:
             raise GateError("this gate has no checkpoint directory")
-        guard_state = self._guard_state() if self._guard_state is not None else None
         if self._last is None or self._last.step != step:
             seen = None if self._last is None else self._last.step
             raise GateError(
@@ -287,6 +286,8 @@ class CheckpointGate:
                     else ""
                 )
             )
+        # taken once the step is decided (checked above): the state that step left
+        guard_state = self._guard_state() if self._guard_state is not None else None
         self.directory.mkdir(parents=True, exist_ok=True)
         final = checkpoint_path(self.directory, step)
         temp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
