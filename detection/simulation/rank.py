@@ -77,6 +77,7 @@ def guard_config_of(config: TrainConfig) -> GuardConfig:
         halt_on_alarm=config.halt_on_alarm,
         inject=injected_faults(config),
         abft=config.abft,
+        step_checks=config.step_checks,
         skip_update_on_alarm=config.skip_update_on_alarm,
         defer_decision=config.defer_decision,
     )
