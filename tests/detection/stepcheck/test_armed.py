@@ -4,8 +4,8 @@ the built-in model and a model of plain ``torch.nn`` parts), the same jobs witho
 silent; and a flip in the first steps blinds no later check (a flip at step 3, another on the
 same layer near step 40: both caught, with the checksums and with the statistics alone).
 
-Full coverage: every checksum on every step (today the only behaviour; a rotation budget for
-the checksums, when it comes, is set to full coverage in :func:`_full_coverage`).
+Full coverage: every checksum on every step (:func:`_full_coverage`; the default rotates the
+checksums over the layers, ``GuardConfig.abft_every``).
 
 The full matrix (bits 23-30, more flips) is ``benchmarks/detection_rate.py --from-step 1``.
 """
@@ -26,9 +26,10 @@ WORLD = 4
 HIGH = (27, 28, 29, 30)
 
 
-def _full_coverage() -> StatsConfig:
-    """Every checksum on every step: the coverage these tests claim their rates under."""
-    return StatsConfig()
+def _full_coverage() -> dict[str, Any]:
+    """Every checksum on every step (``abft_every=1``, not the default's rotation): the
+    coverage these tests claim their rates under."""
+    return {"stats": StatsConfig(), "abft_every": 1}
 
 
 def _caught(results: list[list[dict[str, Any]]], index: int) -> tuple[int, int]:
@@ -45,19 +46,19 @@ def _from_step_one(kind: str) -> tuple[str, ...]:
 
 
 def test_flips_from_step_one_are_caught_on_their_step_and_clean_runs_stay_silent() -> None:
-    stats = _full_coverage()
+    coverage = _full_coverage()
     faulty = [
         Workload(
-            model, seed=21, steps=17, inject=_from_step_one(kind), skip_update=True, stats=stats
+            model, seed=21, steps=17, inject=_from_step_one(kind), skip_update=True, **coverage
         )
         for model in ("tiny", "mlp")
         for kind in ("grad-flip", "act-flip")
     ]
     clean = [  # the same jobs without a fault, and the loop features the soak covers
-        Workload("tiny", seed=21, steps=17, skip_update=True, stats=stats),
-        Workload("mlp", seed=21, steps=17, skip_update=True, stats=stats),
-        Workload("mlp", seed=22, steps=30, autocast=True, accumulate=2, stats=stats),
-        Workload("tiny", seed=23, steps=30, autocast=True, stats=stats),
+        Workload("tiny", seed=21, steps=17, skip_update=True, **coverage),
+        Workload("mlp", seed=21, steps=17, skip_update=True, **coverage),
+        Workload("mlp", seed=22, steps=30, autocast=True, accumulate=2, **coverage),
+        Workload("tiny", seed=23, steps=30, autocast=True, **coverage),
     ]
     # the checks that need no history, at steps 0 and 1: a flip in rank 2's reduced bucket (the
     # all-reduce algebra), a NaN in rank 1's local gradient (the non-finite check)
@@ -86,7 +87,7 @@ def _early_and_late(model: str, kind: str) -> tuple[str, ...]:
 
 
 def test_a_flip_in_the_first_steps_blinds_no_later_check_on_the_same_layer() -> None:
-    stats = _full_coverage()
+    coverage = _full_coverage()
     jobs = [
         # the default (checksums and statistics): both kinds, both models
         *(
@@ -96,7 +97,7 @@ def test_a_flip_in_the_first_steps_blinds_no_later_check_on_the_same_layer() -> 
                 steps=50,
                 inject=_early_and_late(model, kind),
                 skip_update=True,
-                stats=stats,
+                **coverage,
             )
             for model in ("tiny", "mlp")
             for kind in ("grad-flip", "act-flip")
@@ -110,12 +111,12 @@ def test_a_flip_in_the_first_steps_blinds_no_later_check_on_the_same_layer() -> 
                 inject=_early_and_late(model, "grad-flip"),
                 skip_update=True,
                 abft=False,
-                stats=stats,
+                **coverage,
             )
             for model in ("tiny", "mlp")
         ),
-        Workload("tiny", seed=31, steps=50, stats=stats),  # clean
-        Workload("mlp", seed=31, steps=50, abft=False, stats=stats),  # clean
+        Workload("tiny", seed=31, steps=50, **coverage),  # clean
+        Workload("mlp", seed=31, steps=50, abft=False, **coverage),  # clean
     ]
     results = run_ranks(run_many, WORLD, jobs, timeout_s=600)
     for i, work in enumerate(jobs[:6]):
