@@ -104,17 +104,20 @@ def test_faults_only_the_per_step_layer_sees_from_the_first_steps(
     """A finite corruption before all-reduce at a step without audit (and a gradient flip under
     loss-only audits) is averaged into every replica: no replica layer can see it. Without the
     per-step layer nothing does (the final weights differ from the clean run's: the faults did
-    strike); with it — armed from the first step, before the statistics learnt anything — each
-    is named on its own step by its layer's checksum, bit 30 and bit 26 alike."""
+    strike); with it — armed from the first step, before the statistics learnt anything — and
+    every checksum checked on every step (``abft_every=1``; the default's rotation checks a
+    layer once every 8 steps), each is named on its own step by its layer's checksum, bit 30
+    and bit 26 alike."""
     faults = ("grad-flip@1:5", "act-flip@3:6", "grad-flip@2:4")
     unseen = _job(*faults, steps=10, step_checks=False)
     assert unseen["alarms"] == []
     assert unseen["final_fingerprint"] != clean_reference["final_fingerprint"]
-    seen = [(step, layer, ranks) for step, layer, _, ranks, _ in _alarms(_job(*faults, steps=10))]
+    full = {"steps": 10, "abft_every": 1}
+    seen = [(step, layer, ranks) for step, layer, _, ranks, _ in _alarms(_job(*faults, **full))]
     assert seen == [(4, "abft", [2]), (5, "abft", [1]), (6, "abft", [3])]
     low = [
         (s, layer, r)
-        for s, layer, _, r, _ in _alarms(_job(*(f + ":26" for f in faults[:2]), steps=10))
+        for s, layer, _, r, _ in _alarms(_job(*(f + ":26" for f in faults[:2]), **full))
     ]
     assert low == [(5, "abft", [1]), (6, "abft", [3])]
 
