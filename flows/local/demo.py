@@ -88,6 +88,10 @@ class DemoConfig:
     plot: Path | None = None
     timeout_s: float = 600.0
     console: Console = field(default_factory=Console)
+    reference: Path | None = None
+    """The folder of an earlier demo's run of this same configuration, whose reference run
+    (``reference.json``, ``reference.trace.jsonl``) is reused instead of run again: the
+    reference has no fault, so it is the same for every fault kind (tests share one)."""
 
     def nodes(self) -> list[str]:
         return [f"node-{i}" for i in range(self.world_size)]
@@ -227,12 +231,17 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             console.print(f"[dim]Prefect UI at {config.prefect.ui_url}[/]", soft_wrap=True)
 
         console.rule("1. reference run (no fault)")
-        jobs.launch(
-            "reference",
-            _harness_args(config, "reference", run_dir, None),
-            run_dir / "reference.log",
-        )
-        _wait_job(jobs, reference_ref, config.timeout_s, "the reference run")
+        if config.reference is not None:
+            for name in ("reference.json", "reference.trace.jsonl"):
+                shutil.copyfile(config.reference / name, run_dir / name)
+            console.print(f"  reused from {config.reference}")
+        else:
+            jobs.launch(
+                "reference",
+                _harness_args(config, "reference", run_dir, None),
+                run_dir / "reference.log",
+            )
+            _wait_job(jobs, reference_ref, config.timeout_s, "the reference run")
         reference = _read_json(run_dir / "reference.json")
         console.print(f"  final fingerprint [cyan]{reference['final_fingerprint']}[/]")
 
