@@ -6,17 +6,25 @@ calibration (:mod:`~detection.guard.calibration_wiring`), the row and the decisi
 reaches from it (:mod:`~detection.guard.decision`, :mod:`~detection.guard.carry`), the
 diagnostic trace mode of a diagnostic run (:mod:`~detection.guard.trace_mode`), and the learnt
 state that travels with a checkpoint (:mod:`~detection.guard.state`).
+
+Names are imported on first use: the control plane reads :mod:`~detection.guard.trace_mode`'s
+variable names and markers without torch.
 """
 
-from detection.guard.config import (
-    GuardConfig,
-    GuardConfigError,
-    GuardError,
-    GuardHaltedError,
-    GuardUsageError,
-)
-from detection.guard.counters import GuardCounters
-from detection.guard.sdcguard import SDCGuard
+from typing import TYPE_CHECKING
+
+from detection._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from detection.guard.config import (
+        GuardConfig,
+        GuardConfigError,
+        GuardError,
+        GuardHaltedError,
+        GuardUsageError,
+    )
+    from detection.guard.counters import GuardCounters
+    from detection.guard.sdcguard import SDCGuard
 
 __all__ = [
     "GuardConfig",
@@ -27,3 +35,16 @@ __all__ = [
     "GuardUsageError",
     "SDCGuard",
 ]
+
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        "GuardConfig": "config",
+        "GuardConfigError": "config",
+        "GuardError": "config",
+        "GuardHaltedError": "config",
+        "GuardUsageError": "config",
+        "GuardCounters": "counters",
+        "SDCGuard": "sdcguard",
+    },
+)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from detection.guard import GuardConfig, SDCGuard
+from detection.simulation.forkserver import PRELOAD
 from detection.simulation.model import ModelConfig, TinyTransformer, batch_seed, make_batch
 from detection.simulation.model import loss_fn as tiny_loss
 from detection.stepcheck.gradstats import StatsConfig
@@ -192,7 +193,7 @@ def launch(
     return each rank's result. Ranks still alive after ``timeout_s`` are killed; every rank
     that failed or left no result is named in one ``RuntimeError``."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "torch.nn.parallel", "detection.guard"])
+    ctx.set_forkserver_preload(PRELOAD)
     store = dist.TCPStore(
         "127.0.0.1", 0, None, True, timeout=timedelta(seconds=120), wait_for_workers=False
     )

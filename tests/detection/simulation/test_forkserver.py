@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
         return found
 
     def loaded(queue):
-        wanted = ("torch", "torch._dynamo", "detection.guard")
+        wanted = ("torch", "torch._dynamo", "detection.guard.sdcguard")
         queue.put(sorted(m for m in wanted if m in sys.modules))
 
     if __name__ == "__main__":
@@ -67,7 +67,7 @@ def test_the_fork_server_starts_before_torch_is_imported_and_preloads_the_ranks_
     out = _run(tmp_path, "--world-size", "2")
     assert "servers 1 torch-here False" in out
     # the rank forked from that server, with torch, dynamo and the guard already imported
-    assert "rank-sees ['detection.guard', 'torch', 'torch._dynamo']" in out
+    assert "rank-sees ['detection.guard.sdcguard', 'torch', 'torch._dynamo']" in out
     assert "servers-after 1" in out  # the launcher's rank used it; no second server
 
 
