@@ -198,7 +198,7 @@ class Site:
     incident_id: str
     checkpoints: dict[int, Path]
     instance_ids: dict[str, str]
-    replay: Any
+    rerunner: Any
 
     def run(self, policy: IncidentPolicy = FAST) -> dict[str, Any]:
         with use_backends(self.backends):
@@ -257,7 +257,7 @@ def build_site(
     aws: LocalAws,
     *,
     suspects: list[str] | None = None,
-    replay: Any = None,
+    rerunner: Any = None,
     throttle_retries: bool = False,
     limits: PolicySettings | None = None,
 ) -> Site:
@@ -288,13 +288,13 @@ def build_site(
         if step < 39:
             ledger.record_audit(JOB, step + 1, "loss", [0, 1, 2, 3], True)
     outcome = ledger.record_alarm(_alarm(ALARM_STEP, [FAULTY] if suspects is None else suspects))
-    replay = replay if replay is not None else ScriptedRerunner({FAULTY: 33})
+    rerunner = rerunner if rerunner is not None else ScriptedRerunner({FAULTY: 33})
     backends = Backends(
         ledger=ledger,
         nodes=CountingNodes(cluster, effects),
         jobs=jobs,
         telemetry=FixtureTelemetry(packaged_fixture_root()),
-        replay=replay,
+        rerunner=rerunner,
         hyperpod=hyperpod,
         checkpoints=store,
         directory=LocalNodeDirectory(cluster),
@@ -313,7 +313,7 @@ def build_site(
         incident_id=outcome.incident_id,
         checkpoints=checkpoints,
         instance_ids=instance_ids,
-        replay=replay,
+        rerunner=rerunner,
     )
 
 
@@ -580,7 +580,7 @@ def test_storm_guard_refuses_auto_approval_and_waits_for_a_human(
         site.jobs.stop(JobRef(JOB, kind=JobKind.LOCAL))
 
 
-class AlarmingReplay(ScriptedRerunner):
+class AlarmingRerunner(ScriptedRerunner):
     """The scripted replay, while more of the job's nodes raise alarms during the diagnosis."""
 
     def __init__(self, faulty: dict[str, int], ledger: Ledger, late: list[str]) -> None:
@@ -597,8 +597,8 @@ class AlarmingReplay(ScriptedRerunner):
 def test_alarms_arriving_during_diagnosis_make_a_storm_before_auto_approval(
     tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
 ) -> None:
-    replay = AlarmingReplay({FAULTY: 33}, sqlite_ledger, ["node-0", "node-1"])
-    site = build_site(tmp_path, sqlite_ledger, local_aws, replay=replay)
+    rerunner = AlarmingRerunner({FAULTY: 33}, sqlite_ledger, ["node-0", "node-1"])
+    site = build_site(tmp_path, sqlite_ledger, local_aws, rerunner=rerunner)
     try:
         site.respond(AUTO.model_copy(update={"approval_timeout_s": 1}))
         incident = site.incident()
@@ -668,7 +668,11 @@ def test_approving_one_of_two_suspects_replaces_exactly_that_one(
 ) -> None:
     """The replay names nobody, so both suspects are put to the approver; only one is approved."""
     site = build_site(
-        tmp_path, sqlite_ledger, local_aws, suspects=["node-1", FAULTY], replay=ScriptedRerunner({})
+        tmp_path,
+        sqlite_ledger,
+        local_aws,
+        suspects=["node-1", FAULTY],
+        rerunner=ScriptedRerunner({}),
     )
     replaces_before = moto_hyperpod.call_count("BatchReplaceClusterNodes")
     answer = {**APPROVE, "nodes": [FAULTY]}
@@ -974,10 +978,10 @@ def test_a_crash_inside_a_read_only_stage_is_continued_by_a_rerun(site: Site) ->
     """The telemetry stage dies, then (next run) the replay stage: each is continued."""
     wrapped = {
         "telemetry": CrashingOnce(site.backends.telemetry, "collect"),
-        "replay": CrashingOnce(site.backends.rerunner, "replay"),
+        "replay": CrashingOnce(site.backends.rerunner, "rerun"),
     }
     site.backends = dataclasses.replace(
-        site.backends, telemetry=wrapped["telemetry"], replay=wrapped["replay"]
+        site.backends, telemetry=wrapped["telemetry"], rerunner=wrapped["replay"]
     )
     for stage in ("telemetry", "replay"):
         with pytest.raises(Crash):
