@@ -207,7 +207,7 @@ def _camel(snake: str) -> str:
 def test_the_iam_policy_names_exactly_the_sagemaker_calls_of_the_code() -> None:
     policy = json.loads((DEPLOY / "iam" / "sdcguard-recovery-policy.json").read_text())
     actions = {a for s in policy["Statement"] for a in s["Action"]}
-    source = (ROOT / "recovery" / "hyperpod.py").read_text()
+    source = (ROOT / "recovery" / "aws" / "hyperpod.py").read_text()
     called = set(re.findall(r"self\._client\.([a-z_]+)", source))
     assert {a for a in actions if a.startswith("sagemaker:")} == {
         f"sagemaker:{_camel(c)}" for c in called
