@@ -4,8 +4,7 @@
 * :mod:`~detection.stepcheck.gradstats` (with its engines ``gradstats_detector`` and
   ``gradstats_arrays``) — cross-rank and temporal statistics of the local gradients;
 * :mod:`~detection.stepcheck.allreduce` — an algebraic check of the all-reduce;
-* :mod:`~detection.stepcheck.abft` and ``abft_layers`` — checksums of the layers' arithmetic,
-  read in units of the rounding bound :mod:`~detection.stepcheck.abft_bound` derives.
+* :mod:`~detection.stepcheck.abft` and ``abft_layers`` — checksums of the layers' arithmetic.
 """
 
 from detection.stepcheck.abft import LinearChecksums
