@@ -6,7 +6,7 @@ Order of checks, each one before the next is allowed to look at the body:
    read and dropped within a bound so that the sender can read the answer, never buffered (an
    unauthenticated caller cannot make us hold or read an unbounded body);
 2. authentication — the canonical-request HMAC over method, path, query and the *raw* bytes
-   (``detection.signing.verify``, constant time, the key looked up by its id), or a bearer
+   (``detection.transport.signing.verify``, constant time, the key looked up by its id), or a bearer
    token (reader token or Kubernetes service-account token) with a fresh timestamp and nonce:
    401 with the reason, nothing parsed, nothing written;
 3. JSON — UTF-8, no duplicate keys, no NaN/Infinity, bounded nesting, no NUL or lone surrogate

@@ -38,7 +38,7 @@ CHECKS = [
 
 
 class _Signed(requests.auth.AuthBase):
-    """Signs the exact bytes requests is about to send, as ``detection.signing`` does."""
+    """Signs the exact bytes requests is about to send, as ``detection.transport.signing`` does."""
 
     def __init__(self, secret: str) -> None:
         self.secret = secret

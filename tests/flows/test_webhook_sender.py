@@ -1,4 +1,4 @@
-"""End to end with the training side's real client: ``detection.sender.AlarmSender``.
+"""End to end with the training side's real client: ``detection.transport.sender.AlarmSender``.
 
 What a rank spools is what the webhook records — ranks, checkpoints, audits, alarms — and what
 the webhook refuses for good lands in the sender's ``dead/`` with the webhook's reason, not in the
