@@ -42,10 +42,11 @@ format: install
 # the CPU: two workers, each with its own session fixtures; a file's tests stay together. Files
 # go out in collection order, which puts the slow end-to-end files first (tests/conftest.py):
 # xdist's default reorder by test count would start them last.
+# The fifteen slowest tests are printed at the end: where the budget goes.
 TEST_WORKERS ?= 2
 
 test: install lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 bench: install
 	$(PY) benchmarks/fingerprint.py

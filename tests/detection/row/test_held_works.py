@@ -86,11 +86,13 @@ SCRIPT = textwrap.dedent(
 def test_a_script_that_returns_right_after_the_guards_last_collective_exits_cleanly(
     tmp_path: Path,
 ) -> None:
-    """Before the guard held its works, about one such exit in three aborted (clean runs) and
-    one in two (after an alarm): a few runs of each catch it."""
+    """One exit after an alarm, one clean. Before the guard held its works, about one such exit
+    in two aborted after an alarm and one in three on a clean run; the exit is repeated many
+    times by ``benchmarks/script_exit.py``. What makes the exit safe — the last works outlive
+    the training thread's references — is shown deterministically by the test below."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    for inject in ("weight-flip@1:5", "", "weight-flip@1:5", ""):
+    for inject in ("weight-flip@1:5", ""):
         done = subprocess.run(
             [sys.executable, str(script), inject], capture_output=True, text=True, timeout=180
         )
