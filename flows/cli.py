@@ -476,7 +476,7 @@ def external_health(
     whose driver asks for a recovery action becomes one signed external alarm (webhook and key
     from SDCGUARD_WEBHOOK_URL / _SECRET / _KEY_ID). A healthy node sends nothing. Exits 1 while
     an alarm is left spooled (drain it with `sdcguard spool drain`)."""
-    from detection.external.delivery import WebhookTarget, deliver
+    from detection.external.delivery import WebhookTarget, deliver_all
     from recovery.telemetry import parse_kernel_log, parse_nvidia_smi_xml
     from recovery.telemetry.health_alarm import health_alarms
 
@@ -495,13 +495,10 @@ def external_health(
     if not alarms:
         typer.echo(f"{node}: no health event to report")
         return
-    target = WebhookTarget.from_env()
-    left = 0
+    delivered = deliver_all(alarms, WebhookTarget.from_env(), timeout_s=timeout)
     for alarm in alarms:
-        delivered = deliver(alarm, target, timeout_s=timeout)
-        left += not delivered
         typer.echo(f"{node}: {alarm.kind} {'reported' if delivered else 'spooled'}")
-    if left:
+    if not delivered:
         raise typer.Exit(1)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ __all__ = [
     "DeliveryConfigError",
     "WebhookTarget",
     "deliver",
+    "deliver_all",
     "job_from_env",
     "node_from_env",
     "rank_from_env",
@@ -109,16 +110,30 @@ def deliver(alarm: ExternalAlarm, target: WebhookTarget, *, timeout_s: float = 1
     True when delivered; False when it stays spooled under ``target.spool_root`` (logged with
     the directory to drain). Never raises for an unreachable webhook.
     """
-    base = target.spool_root / _SAFE.sub("_", alarm.job_id)
-    name = _SAFE.sub("_", f"{alarm.source}-{alarm.node or 'rank'}-{alarm.rank}")
+    return deliver_all([alarm], target, timeout_s=timeout_s)
+
+
+def deliver_all(
+    alarms: Sequence[ExternalAlarm], target: WebhookTarget, *, timeout_s: float = 10.0
+) -> bool:
+    """:func:`deliver` for several alarms of one job and source (a node's health reading):
+    one spool, in order, one wait. True when every one was delivered."""
+    if not alarms:
+        return True
+    first = alarms[0]
+    if any(a.job_id != first.job_id for a in alarms):
+        raise ValueError("deliver_all takes the alarms of one job")
+    base = target.spool_root / _SAFE.sub("_", first.job_id)
+    name = _SAFE.sub("_", f"{first.source}-{first.node or 'rank'}-{first.rank}")
     spool = base / name
     try:
-        sender = AlarmSender(target.url, target.secret, alarm.job_id, spool, key_id=target.key_id)
+        sender = AlarmSender(target.url, target.secret, first.job_id, spool, key_id=target.key_id)
     except SpoolBusyError:  # another process of this rank holds it: a spool of our own
         spool = base / f"{name}-{os.getpid()}"
-        sender = AlarmSender(target.url, target.secret, alarm.job_id, spool, key_id=target.key_id)
+        sender = AlarmSender(target.url, target.secret, first.job_id, spool, key_id=target.key_id)
     try:
-        sender.send_external_alarm(alarm.to_webhook())
+        for alarm in alarms:
+            sender.send_external_alarm(alarm.to_webhook())
         delivered = sender.flush(timeout_s)
     finally:
         sender.close(timeout_s=0.0)
@@ -126,6 +141,6 @@ def deliver(alarm: ExternalAlarm, target: WebhookTarget, *, timeout_s: float = 1
         _log.error(
             "external alarm not delivered yet; it stays spooled: run `sdcguard spool drain %s`",
             spool,
-            extra={"job": alarm.job_id, "node": alarm.node, "rank": alarm.rank, "step": alarm.step},
+            extra={"job": first.job_id, "node": first.node, "rank": first.rank, "step": first.step},
         )
     return delivered
