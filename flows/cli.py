@@ -448,6 +448,60 @@ def spool_drain(
         raise typer.Exit(1)
 
 
+external_app = typer.Typer(
+    help="Alarms from other detectors: hardware health events (Megatron and torchtitan adapters "
+    "run in the training job, see docs/runbook.md).",
+    no_args_is_help=True,
+)
+app.add_typer(external_app, name="external")
+
+
+@external_app.command("health")
+def external_health(
+    job_id: Annotated[
+        str, typer.Option(envvar="SDCGUARD_JOB_ID", help="The job running on this node.")
+    ],
+    node: Annotated[
+        str, typer.Option(envvar="NODE_NAME", help="This node, as the orchestrator names it.")
+    ],
+    nvidia_smi_xml: Annotated[
+        Path | None, typer.Option(help="`nvidia-smi -q -x` output (GPU Recovery Action).")
+    ] = None,
+    kernel_log: Annotated[
+        Path | None, typer.Option(help="The kernel log (`dmesg`, /dev/kmsg): critical Xids.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each 2xx.")] = 10.0,
+) -> None:
+    """Report this node's hardware health events for JOB_ID: every critical Xid and every GPU
+    whose driver asks for a recovery action becomes one signed external alarm (webhook and key
+    from SDCGUARD_WEBHOOK_URL / _SECRET / _KEY_ID). A healthy node sends nothing. Exits 1 while
+    an alarm is left spooled (drain it with `sdcguard spool drain`)."""
+    from detection.external.delivery import WebhookTarget, deliver_all
+    from recovery.telemetry import parse_kernel_log, parse_nvidia_smi_xml
+    from recovery.telemetry.health_alarm import health_alarms
+
+    if nvidia_smi_xml is None and kernel_log is None:
+        raise typer.BadParameter("give --nvidia-smi-xml, --kernel-log or both")
+    alarms = health_alarms(
+        job_id=job_id,
+        node=node,
+        nvidia_smi=(
+            parse_nvidia_smi_xml(nvidia_smi_xml.read_text(), source=str(nvidia_smi_xml))
+            if nvidia_smi_xml
+            else None
+        ),
+        kernel_log=parse_kernel_log(kernel_log.read_text()) if kernel_log else None,
+    )
+    if not alarms:
+        typer.echo(f"{node}: no health event to report")
+        return
+    delivered = deliver_all(alarms, WebhookTarget.from_env(), timeout_s=timeout)
+    for alarm in alarms:
+        typer.echo(f"{node}: {alarm.kind} {'reported' if delivered else 'spooled'}")
+    if not delivered:
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()
 

@@ -280,6 +280,17 @@ class AlarmSender:
         self._enqueue("alarm", "/v1/alarms", message)
         return alarm_id
 
+    def send_external_alarm(self, body: dict[str, Any]) -> str:
+        """Spool one alarm of another detector (``POST /v1/external-alarms``; the body of
+        :meth:`detection.external.ExternalAlarm.to_webhook`, which carries its own id)."""
+        message = dict(body)
+        message.setdefault("job_id", self.job_id)
+        message.setdefault("sent_at", _rfc3339_now())
+        if not message.get("alarm_id"):
+            raise InvalidMessageError("an external alarm carries its own alarm_id")
+        self._enqueue("external-alarm", "/v1/external-alarms", message)
+        return str(message["alarm_id"])
+
     def register_ranks(self, ranks: list[dict[str, Any]]) -> None:
         """Spool the job's rank registration (``RankIdentity.to_dict()`` rows)."""
         self._enqueue("ranks", self._job_path("ranks"), {"ranks": list(ranks)})

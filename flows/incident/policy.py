@@ -26,6 +26,11 @@ Invariants:
   evidence: a statistical outlier, a rounding bound or a calibrated tolerance, not a recomputation
   or a majority. They never back an automatic approval on their own; an incident whose only
   evidence they are waits for a human, and the refusal says why.
+- An alarm of another detector (layer ``external``: Megatron's exit 16/17, torchtitan's
+  ``SDCReplayMismatch``, a hardware health event) is weaker still for attribution: it comes from
+  outside, through an adapter, and sdcguard cannot check how it named the node. It never backs
+  an automatic approval, alone or with the per-step layer; only sdcguard's own vote, audit or
+  pre-all-reduce non-finite check naming the same node can.
 """
 
 from __future__ import annotations
@@ -38,7 +43,10 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from detection.external.alarm import EXTERNAL_LAYER
+
 __all__ = [
+    "EXTERNAL_LAYER",
     "WEAKER_LAYERS",
     "AlarmEvidence",
     "AutoApproval",
@@ -311,6 +319,13 @@ def auto_approval(
             False, f"auto-approval refused: the verdict is {verdict or 'missing'}, not hardware"
         )
     backing = [a for a in alarms if _names_exactly(a, verdict_node)]
+    if not backing and any(a.layer == EXTERNAL_LAYER for a in alarms):
+        sources = sorted({a.phase or "unknown" for a in alarms if a.layer == EXTERNAL_LAYER})
+        return AutoApproval(
+            False,
+            f"auto-approval refused: the evidence is another detector's alarm "
+            f"({', '.join(sources)}), weaker than sdcguard's own vote or audit; a human decides",
+        )
     if not backing and any(a.layer in WEAKER_LAYERS for a in alarms):
         weaker = sorted({a.layer for a in alarms if a.layer in WEAKER_LAYERS})
         return AutoApproval(

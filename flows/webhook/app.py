@@ -36,6 +36,7 @@ from flows.webhook.nonces import NonceStore
 from flows.webhook.reads import ReadBudget
 from flows.webhook.routes import (
     add_alarm_routes,
+    add_external_alarm_routes,
     add_health_routes,
     add_incident_routes,
     add_job_routes,
@@ -151,6 +152,7 @@ def create_app(
 
     install_error_handlers(app)
     add_alarm_routes(app, service)
+    add_external_alarm_routes(app, service)
     add_job_routes(app, service)
     add_incident_routes(app, service)
     add_health_routes(app, service)

@@ -33,6 +33,7 @@ from pydantic import (
 )
 
 from db import AuditKind
+from detection.external.alarm import TOKEN_PATTERN
 from detection.transport.alarm import Layer, Phase
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "AuditRecorded",
     "CheckpointBody",
     "ErrorBody",
+    "ExternalAlarmBody",
     "IncidentId",
     "JobId",
     "NodeName",
@@ -149,9 +151,52 @@ class AlarmBody(_Body):
 
     @model_validator(mode="after")
     def _detail_size(self) -> AlarmBody:
-        size = len(json.dumps(self.detail, separators=(",", ":")).encode())
-        if size > MAX_DETAIL_BYTES:
-            raise ValueError(f"detail is {size} bytes of JSON, over {MAX_DETAIL_BYTES}")
+        _detail_bytes(self.detail, "detail")
+        return self
+
+
+def _detail_bytes(detail: dict[str, JsonValue], name: str) -> None:
+    size = len(json.dumps(detail, separators=(",", ":")).encode())
+    if size > MAX_DETAIL_BYTES:
+        raise ValueError(f"{name} is {size} bytes of JSON, over {MAX_DETAIL_BYTES}")
+
+
+DetectorToken = Annotated[
+    str, StringConstraints(strict=True, min_length=1, max_length=64, pattern=TOKEN_PATTERN)
+]
+
+
+class ExternalAlarmBody(_Body):
+    """``POST /v1/external-alarms``: an alarm from another SDC detector (docs/DESIGN.md)."""
+
+    alarm_id: uuid.UUID = Field(description="Sender-chosen uuid; re-sends are recorded once.")
+    job_id: JobId
+    source: DetectorToken = Field(
+        description="The detector: megatron, torchtitan, health, or another detector's name."
+    )
+    kind: DetectorToken = Field(
+        description="What it saw, in its own words (exit-16, sdc-replay-mismatch, xid-79, …)."
+    )
+    node: NodeName | None = Field(
+        default=None, description="The node accused; without it, the rank's node in the job's map."
+    )
+    rank: RankNumber | None = Field(default=None, description="The rank accused, if known.")
+    step: Step | None = Field(
+        default=None, description="The step found wrong; absent if unknown (recorded as 0)."
+    )
+    evidence: dict[str, JsonValue] = Field(
+        default_factory=dict,
+        max_length=MAX_DETAIL_KEYS,
+        description=f"What the detector reported; at most {MAX_DETAIL_KEYS} keys and "
+        f"{MAX_DETAIL_BYTES} bytes.",
+    )
+    sent_at: Rfc3339
+
+    @model_validator(mode="after")
+    def _names_someone(self) -> ExternalAlarmBody:
+        if self.node is None and self.rank is None:
+            raise ValueError("an external alarm names a node or a rank (or both)")
+        _detail_bytes(self.evidence, "evidence")
         return self
 
 

@@ -39,6 +39,7 @@ from recovery.telemetry.nvidia_smi import (
     parse_nvidia_smi_text,
     parse_nvidia_smi_xml,
 )
+from recovery.telemetry.recovery_action import RecoveryAction, parse_recovery_action
 from recovery.telemetry.snapshot import (
     SDC_CAVEAT,
     EccCounts,
@@ -85,6 +86,7 @@ __all__ = [
     "KubeTelemetry",
     "MigDevice",
     "NvidiaSmiReport",
+    "RecoveryAction",
     "RemapState",
     "SmiEcc",
     "SmiGpu",
@@ -110,6 +112,7 @@ __all__ = [
     "parse_kernel_log",
     "parse_nvidia_smi_text",
     "parse_nvidia_smi_xml",
+    "parse_recovery_action",
     "xid_catalog",
     "xid_info",
 ]

@@ -22,6 +22,7 @@ from typing import Final
 
 from recovery.telemetry._common import ClockEventReason, normalize_pci_bus_id
 from recovery.telemetry.errors import TelemetryParseError
+from recovery.telemetry.recovery_action import RecoveryAction, parse_recovery_action
 
 __all__ = [
     "MigDevice",
@@ -96,6 +97,12 @@ class SmiGpu:
     clock_event_reasons: tuple[str, ...] | None = None
     mig_devices: tuple[MigDevice, ...] = ()
     unreadable: tuple[str, ...] = ()
+    recovery_action: RecoveryAction | None = None
+    """NVML's GPU Recovery Action (R570+); ``None`` where the driver has no such field."""
+    reset_required: bool | None = None
+    """``gpu_reset_status/reset_required`` (drivers 535 to 550; deprecated later)."""
+    drain_and_reset_recommended: bool | None = None
+    """``gpu_reset_status/drain_and_reset_recommended`` (drivers 535 to 550; deprecated later)."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,11 @@ class _Reader:
         if number < 0 or number != int(number):
             raise TelemetryParseError(_TOOL, self.source, f"{name}: not a count: {number}")
         return int(number)
+
+    def soft_flag(self, value: str | None) -> bool | None:
+        """Yes/no where the field may also say it is deprecated: anything else is no reading."""
+        lowered = (self.text(value) or "").lower()
+        return {"yes": True, "no": False}.get(lowered)
 
     def flag(self, name: str, value: str | None) -> bool | None:
         value = self._usable(name, value)
@@ -319,6 +331,11 @@ def _xml_gpu(index: int, gpu: ET.Element, source: str) -> SmiGpu:
             _xml_mig(device, reader) for device in gpu.iterfind("mig_devices/mig_device")
         ),
         unreadable=tuple(reader.unreadable),
+        recovery_action=parse_recovery_action(_xml_text(gpu, "gpu_recovery_action")),
+        reset_required=reader.soft_flag(_xml_text(gpu, "gpu_reset_status/reset_required")),
+        drain_and_reset_recommended=reader.soft_flag(
+            _xml_text(gpu, "gpu_reset_status/drain_and_reset_recommended")
+        ),
     )
 
 
@@ -493,6 +510,11 @@ def _text_gpu(index: int, gpu: _Node, source: str) -> SmiGpu:
         power_w=power,
         clock_event_reasons=_reasons(reason_pairs, reader),
         unreadable=tuple(reader.unreadable),
+        recovery_action=parse_recovery_action(gpu.value_at("GPU Recovery Action")),
+        reset_required=reader.soft_flag(gpu.value_at("GPU Reset Status", "Reset Required")),
+        drain_and_reset_recommended=reader.soft_flag(
+            gpu.value_at("GPU Reset Status", "Drain and Reset Recommended")
+        ),
     )
 
 

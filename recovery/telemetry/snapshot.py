@@ -27,6 +27,7 @@ from recovery.telemetry._common import jsonable
 from recovery.telemetry.dcgm_exporter import ExporterGpu, ExporterScrape
 from recovery.telemetry.dcgmi_diag import DiagReport, DiagResult, DiagStatus
 from recovery.telemetry.nvidia_smi import NvidiaSmiReport, SmiGpu
+from recovery.telemetry.recovery_action import RecoveryAction
 from recovery.telemetry.xid import KernelLog, XidEvent, XidSeverity, xid_info
 
 __all__ = [
@@ -149,6 +150,8 @@ class GpuHealth:
     diag: tuple[DiagResult, ...]
     health: Health
     reasons: tuple[str, ...]
+    recovery_action: RecoveryAction | None = None
+    """NVML's GPU Recovery Action as nvidia-smi read it; ``None``: the driver has no such field."""
 
     @property
     def label(self) -> str:
@@ -430,6 +433,8 @@ def _gpu_health(entry: _Entry) -> GpuHealth:
                 )
             )
     verdicts.extend(_diag_reasons(label, entry.diag))
+    action = _first([g.recovery_action for g in entry.smi])
+    verdicts.extend(_stuck_reasons(label, action, entry.smi))
 
     xids = sorted(set(kernel_counts) | {g.last_xid for g in entry.exporter if g.last_xid})
     return GpuHealth(
@@ -451,7 +456,42 @@ def _gpu_health(entry: _Entry) -> GpuHealth:
         diag=tuple(entry.diag),
         health=_worst([verdict for verdict, _ in verdicts]),
         reasons=tuple(text for _, text in verdicts),
+        recovery_action=action,
     )
+
+
+# What the driver asks for, by how badly: a GPU that needs a reset or a reboot computes
+# nothing trustworthy until it gets one; a pending P2P drain leaves it usable but not whole.
+_ACTION_HEALTH: Final = {
+    RecoveryAction.GPU_RESET: Health.FAILED,
+    RecoveryAction.NODE_REBOOT: Health.FAILED,
+    RecoveryAction.DRAIN_AND_RESET: Health.FAILED,
+    RecoveryAction.DRAIN_P2P: Health.DEGRADED,
+    RecoveryAction.UNKNOWN: Health.DEGRADED,
+}
+
+
+def _stuck_reasons(
+    label: str, action: RecoveryAction | None, smi: list[SmiGpu]
+) -> list[tuple[Health, str]]:
+    """The state a stuck GPU shows without a new Xid: NVML's recovery action, or on older
+    drivers the reset-status pair."""
+    verdicts: list[tuple[Health, str]] = []
+    if action is not None and action.pending:
+        verdicts.append(
+            (
+                _ACTION_HEALTH[action],
+                f"{label}: NVML GPU Recovery Action is {action.value}: the driver asks for it "
+                "before the GPU is used again",
+            )
+        )
+    if any(g.reset_required for g in smi):
+        verdicts.append((Health.FAILED, f"{label}: nvidia-smi reports a GPU reset required"))
+    elif any(g.drain_and_reset_recommended for g in smi):
+        verdicts.append(
+            (Health.DEGRADED, f"{label}: nvidia-smi recommends a drain and reset of the GPU")
+        )
+    return verdicts
 
 
 _XID_HEALTH: Final = {

@@ -260,10 +260,13 @@ def build_site(
     rerunner: Any = None,
     throttle_retries: bool = False,
     limits: PolicySettings | None = None,
+    first_alarm: bool = True,
 ) -> Site:
     """Seed the ledger with a job (ranks, checkpoints 9/19/29 verified, 39 pending) and one
     incident, and wire local backends around it. ``limits``: the server-side policy limits
-    (default: a worker whose operator allows auto-approval, so ``AUTO`` runs may use it)."""
+    (default: a worker whose operator allows auto-approval, so ``AUTO`` runs may use it).
+    ``first_alarm=False``: no alarm and no incident yet (``incident_id`` empty) — the caller's
+    alarm opens it."""
     effects = Effects()
     cluster_name = f"sdc-{uuid.uuid4().hex[:8]}"
     names = NODES + SPARES
@@ -287,7 +290,12 @@ def build_site(
         checkpoints[step] = path
         if step < 39:
             ledger.record_audit(JOB, step + 1, "loss", [0, 1, 2, 3], True)
-    outcome = ledger.record_alarm(_alarm(ALARM_STEP, [FAULTY] if suspects is None else suspects))
+    incident_id = ""
+    if first_alarm:
+        outcome = ledger.record_alarm(
+            _alarm(ALARM_STEP, [FAULTY] if suspects is None else suspects)
+        )
+        incident_id = outcome.incident_id
     rerunner = rerunner if rerunner is not None else ScriptedRerunner({FAULTY: 33})
     backends = Backends(
         ledger=ledger,
@@ -310,7 +318,7 @@ def build_site(
         store=store,
         backends=backends,
         effects=effects,
-        incident_id=outcome.incident_id,
+        incident_id=incident_id,
         checkpoints=checkpoints,
         instance_ids=instance_ids,
         rerunner=rerunner,

@@ -252,6 +252,46 @@ def test_a_per_step_finding_with_a_ring_audit_is_approved_by_the_audit() -> None
     assert result.reason.endswith("ring audit")
 
 
+@pytest.mark.parametrize(
+    ("source", "others"),
+    [
+        ("megatron", []),
+        ("torchtitan", []),
+        ("health", []),
+        ("megatron", [("gradstats", "pre-allreduce")]),
+    ],
+)
+def test_another_detectors_alarm_is_never_auto_approved(
+    source: str, others: list[tuple[str, str]]
+) -> None:
+    """An external alarm naming exactly the replay's node, alone or with the per-step layer,
+    still waits for a human: sdcguard cannot check how the other detector named the node."""
+    result = auto_approval(
+        policy=IncidentPolicy(auto_approve=True),
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[
+            _alarm("external", ("node-2",), phase=source, kind="exit-17"),
+            *(_alarm(layer, ("node-2",), phase=phase) for layer, phase in others),
+        ],
+        storm=_storm(["node-2"]),
+    )
+    assert not result.approved
+    assert f"another detector's alarm ({source})" in result.reason
+
+
+def test_an_external_alarm_beside_sdcguards_own_audit_is_approved_by_the_audit() -> None:
+    result = auto_approval(
+        policy=IncidentPolicy(auto_approve=True),
+        verdict="hardware",
+        verdict_node="node-2",
+        alarms=[_alarm("external", ("node-2",), phase="megatron"), _alarm("audit", ("node-2",))],
+        storm=_storm(["node-2"]),
+    )
+    assert result.approved
+    assert result.reason.endswith("ring audit")
+
+
 def test_auto_approval_never_during_a_storm() -> None:
     storm = _storm(["node-1", "node-2", "node-3"])
     result = auto_approval(
