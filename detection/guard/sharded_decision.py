@@ -1,0 +1,143 @@
+"""The decision of a sharded step (FSDP2, HSDP), the same on every rank from the same rows.
+
+Each rank's row says: its step, whether the gradient shards it holds after the reduce-scatter
+hold a non-finite value, whether its weight shards do after the update, whether an optimizer
+stepped, whether a GradScaler scaled the loss, and its shard's fingerprint (at unsharded
+positions). At most one alarm a step, the first that applies:
+
+1. **A non-finite gradient shard** (no GradScaler: under one, an overflow is the scaler's to
+   skip). The reduce-scatter sums every rank's gradient into each shard, so the shard that
+   holds the NaN says nothing about whose gradient it came from: no rank is named (naming
+   needs the check before the reduce-scatter, which this version does not run).
+2. **Non-finite weights after finite gradients**: the update of the ranks whose shards went
+   non-finite produced them — those ranks are named. Weights already known non-finite (a NaN
+   gradient applied, an alarm raised) are a consequence, not a new event.
+3. **A replica split** (HSDP): a replicate group's copies of its shard disagree
+   (:mod:`detection.weights.replicas`) — three or more copies name the divergent ranks, two
+   say that they differ. A split seen before is a consequence; a new one is raised.
+
+``vote_passed`` — the checkpoint gate's evidence — is true only where there was a vote
+(two or more replicas) and it passed: pure FSDP2 never verifies a checkpoint by vote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from detection.gate import StepOutcome
+from detection.transport.alarm import Alarm, Layer, Phase
+from detection.weights.fingerprint import Fingerprint, to_fingerprint
+from detection.weights.replicas import ReplicaGroups, replica_vote
+from detection.weights.vote import KnownDivergence
+
+__all__ = ["Row", "ShardedDecision"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One rank's evidence for one step, as all-gathered."""
+
+    step: int
+    grad_nonfinite: bool
+    weights_nonfinite: bool
+    stepped: bool
+    scaled: bool
+    part: Fingerprint
+
+    @classmethod
+    def read(cls, words: Sequence[int]) -> Row:
+        step, grad_nf, weights_nf, stepped, scaled, a, b = words
+        return cls(
+            step=step,
+            grad_nonfinite=bool(grad_nf),
+            weights_nonfinite=bool(weights_nf),
+            stepped=bool(stepped),
+            scaled=bool(scaled),
+            part=to_fingerprint(a, b),
+        )
+
+
+class ShardedDecision:
+    """What every rank concludes from one step's rows; keeps what is already known (a
+    poisoned model, a split already alarmed) so that consequences are not new events."""
+
+    def __init__(self, replicas: ReplicaGroups, nodes: Sequence[str]) -> None:
+        self.replicas = replicas
+        self.nodes = tuple(nodes)
+        self.poisoned = False  # weights known non-finite, after an alarm said why
+        self.known = {group: KnownDivergence() for group in replicas.groups}
+
+    def decide(self, step: int, rows: Sequence[Row]) -> StepOutcome:
+        parts = [r.part for r in rows]
+        whole = self.replicas.whole(parts)
+        verdict = replica_vote(parts, self.replicas)
+        alarm = self._nonfinite(step, rows) or self._split(step, parts)
+        finite = not any(r.weights_nonfinite for r in rows)
+        if finite:
+            self.poisoned = False
+        return StepOutcome(
+            step=step,
+            ranks=tuple(range(len(rows))),
+            fingerprint=whole,
+            vote_passed=self.replicas.voting and verdict.passed and finite and alarm is None,
+            alarm=alarm,
+        )
+
+    def _nonfinite(self, step: int, rows: Sequence[Row]) -> Alarm | None:
+        holding = [rank for rank, r in enumerate(rows) if r.grad_nonfinite]
+        scaled = any(r.scaled for r in rows)
+        if holding and not scaled:
+            self.poisoned = self.poisoned or any(r.stepped for r in rows)
+            return Alarm.for_ranks(
+                step,
+                Layer.NONFINITE,
+                Phase.POST_ALLREDUCE,
+                (),
+                self.nodes,
+                {
+                    "ranks_holding_nonfinite_shards": holding,
+                    "attribution": "none: the reduce-scatter sums every rank's gradient into "
+                    "each shard",
+                },
+            )
+        bad = [rank for rank, r in enumerate(rows) if r.weights_nonfinite]
+        if not bad or self.poisoned:
+            return None
+        self.poisoned = True
+        return Alarm.for_ranks(
+            step,
+            Layer.NONFINITE,
+            Phase.WEIGHTS,
+            bad,
+            self.nodes,
+            {"ranks_with_nonfinite_shards": bad, "gradients": "finite"},
+        )
+
+    def _split(self, step: int, parts: Sequence[Fingerprint]) -> Alarm | None:
+        if not self.replicas.voting:
+            return None
+        verdict = replica_vote(parts, self.replicas)
+        new = [g for g in verdict.split if self.known[g].is_new([parts[r] for r in g])]
+        for group in self.replicas.groups:
+            values = [parts[r] for r in group]
+            if group in verdict.split:
+                self.known[group].record(values)
+            else:
+                self.known[group].clear()
+        if not new:
+            return None
+        in_new = {r for g in new for r in g}
+        named = [r for r in verdict.divergent if r in in_new] if verdict.culprit_known else []
+        return Alarm.for_ranks(
+            step,
+            Layer.FINGERPRINT,
+            Phase.WEIGHTS,
+            named,
+            self.nodes,
+            {
+                "replica_groups_split": [list(g) for g in new],
+                "ambiguous": not verdict.culprit_known,
+                "fingerprints": {str(r): parts[r].hex() for g in new for r in g},
+            },
+        )

@@ -1,0 +1,213 @@
+"""SDCGuard on FSDP2 and HSDP models, in real gloo ranks: a loop written as FSDP2's tutorial
+writes it runs clean, and a fault is caught — a NaN gradient under FSDP2, a flipped weight bit
+under HSDP (two replicas: detected, ambiguous; four: the rank named); what the guard does not
+support is refused at construction, saying so."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.tensor import Shard
+
+from detection.guard import GuardConfig, GuardConfigError, GuardHaltedError, SDCGuard
+from detection.weights.load_check import LoadVerificationError
+from detection.weights.sharded import sharded_fingerprint
+from tests.detection.conftest import run_ranks
+
+FLIP_STEP = 3
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(12)
+        self.mlp = nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class _Net(nn.Module):
+    """A little residual network: an input layer, two blocks, a head (odd dims: uneven shards)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 12)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _sharded(mesh_shape: tuple[int, ...]) -> nn.Module:
+    """FSDP2's tutorial: fully_shard each block, then the root."""
+    torch.manual_seed(0)
+    model = _Net()
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _flip_weight_on(rank: int, target: int) -> Any:
+    """An optimizer post-hook that flips one exponent bit of the first weight shard of rank
+    ``target`` at ``FLIP_STEP``: the weight-flip fault, after ``optimizer.step``."""
+    calls = {"n": 0}
+
+    def hook(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if calls["n"] == FLIP_STEP and rank == target:
+            local = opt.param_groups[0]["params"][0].to_local()
+            with torch.no_grad():
+                local.view(torch.int32).reshape(-1)[0] ^= 1 << 27
+        calls["n"] += 1
+
+    return hook
+
+
+def _train(
+    rank: int, world: int, mesh_shape: tuple[int, ...], fault: str, target: int, steps: int
+) -> dict[str, Any]:
+    model = _sharded(mesh_shape)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    guard = SDCGuard(model, optim, loss_fn=_loss, config=GuardConfig(seed=1))
+    if fault == "weight":
+        optim.register_step_post_hook(_flip_weight_on(rank, target))
+    outcomes = []
+    for step in range(steps):
+        try:
+            with guard.step(step):
+                x, y = _batch(step, rank)
+                if fault == "nan" and step == FLIP_STEP and rank == target:
+                    x[0, 0] = float("nan")
+                guard.backward(_loss(model, (x, y)))
+                optim.step()
+                optim.zero_grad()
+        except GuardHaltedError:
+            break
+        assert guard.last_outcome is not None
+        outcomes.append((step, guard.last_outcome.vote_passed, guard.last_outcome.alarm))
+    whole = sharded_fingerprint(model.parameters())
+    assert guard.last_outcome is not None
+    try:  # as after loading a checkpoint recorded with the first replica's weights
+        guard.verify_loaded(guard.last_outcome.fingerprint)
+        wrong_replicas: list[int] = []
+    except LoadVerificationError as err:
+        wrong_replicas = err.ranks
+    return {
+        "wrong_replicas": wrong_replicas,
+        "outcomes": outcomes,
+        "alarms": [a.to_report() for a in guard.alarms],
+        "halted": guard.halted,
+        "fingerprint_matches": guard.last_outcome.fingerprint == whole,
+        "coverage": guard.coverage(),  # type: ignore[attr-defined]
+    }
+
+
+def _clean_steps(result: dict[str, Any]) -> list[tuple[int, bool, Any]]:
+    return [o for o in result["outcomes"] if o[0] < FLIP_STEP]
+
+
+@pytest.mark.slow
+def test_fsdp2_runs_the_tutorial_loop_clean_and_catches_a_nan_gradient() -> None:
+    results = run_ranks(_train, 2, (2,), "nan", 1, 5, timeout_s=120)
+    for r in results:
+        assert [o[2] for o in _clean_steps(r)] == [None] * FLIP_STEP  # silent while clean
+        assert all(not o[1] for o in r["outcomes"])  # no replica: no vote ever verifies
+        assert r["fingerprint_matches"]
+        assert "no weight vote" in r["coverage"]
+        assert r["halted"]
+        (alarm,) = r["alarms"]
+        assert (alarm["step"], alarm["layer"], alarm["phase"]) == (3, "nonfinite", "post-allreduce")
+        assert alarm["suspect_ranks"] == []  # the reduce-scatter mixed it into every shard
+        assert r["wrong_replicas"] == []  # one copy: it holds what the guard recorded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("mesh_shape", "named"), [((2, 2), []), ((4, 1), [2])], ids=["two-replicas", "four-replicas"]
+)
+def test_hsdp_votes_within_replicate_groups(mesh_shape: tuple[int, int], named: list[int]) -> None:
+    """Rank 2's weight bit flips after step 3's update. On a 2x2 mesh its shard has one other
+    copy (rank 0): detected, nobody named. On 4x1 four copies: rank 2 (and its node) named."""
+    results = run_ranks(_train, 4, mesh_shape, "weight", 2, 5, timeout_s=120)
+    for r in results:
+        clean = _clean_steps(r)
+        assert [o[2] for o in clean] == [None] * FLIP_STEP
+        assert all(o[1] for o in clean)  # replicas agreed: the vote is the gate's evidence
+        assert r["fingerprint_matches"]
+        (alarm,) = r["alarms"]
+        assert (alarm["step"], alarm["layer"], alarm["phase"]) == (3, "fingerprint", "weights")
+        assert alarm["suspect_ranks"] == named
+        assert alarm["detail"]["ambiguous"] is (not named)
+        groups = alarm["detail"]["replica_groups_split"]
+        assert groups == ([[0, 2]] if mesh_shape == (2, 2) else [[0, 1, 2, 3]])
+        assert len(alarm["suspect_nodes"]) == len(named)
+        # the load check compares every replica's weights: rank 2's replica differs
+        assert r["wrong_replicas"] == ([2, 3] if mesh_shape == (2, 2) else [2])
+
+
+def _refusals(rank: int, world: int) -> dict[str, str]:
+    out: dict[str, str] = {}
+
+    def refused(what: str, build: Any, **config: Any) -> None:
+        model = build()
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            SDCGuard(model, optim, loss_fn=_loss, config=GuardConfig(**config))
+        except GuardConfigError as err:
+            out[what] = str(err)
+        else:
+            out[what] = "accepted"
+
+    refused("audit", lambda: _sharded((world,)), audit_every=2)
+    refused("inject", lambda: _sharded((world,)), inject=("weight-flip@0:1",))
+    refused("fsdp1", lambda: FullyShardedDataParallel(_Net(), device_id=torch.device("cpu")))
+
+    def dim1() -> nn.Module:
+        mesh = init_device_mesh("cpu", (world,))
+        return fully_shard(_Net(), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+
+    refused("shard-dim-1", dim1)
+
+    def blocks_only() -> nn.Module:
+        model = _Net()
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        return model
+
+    refused("root-not-sharded", blocks_only)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow
+def test_what_the_sharded_guard_does_not_run_is_refused_with_the_reason() -> None:
+    out = run_ranks(_refusals, 2, timeout_s=120)[0]
+    assert "audit_every > 0" in out["audit"]
+    assert "fault injection" in out["inject"]
+    assert "FSDP1" in out["fsdp1"]
+    assert "Shard(d > 0)" in out["shard-dim-1"]
+    assert "root is not fully_shard-ed" in out["root-not-sharded"]
