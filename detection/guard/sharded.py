@@ -7,12 +7,13 @@ to :class:`ShardedGuard`; the loop is written as for DDP (``with guard.step(step
 
 What runs in this first cut, per step, and what does not (never claimed):
 
-* **on** — the non-finite check of the gradient shards each rank holds after FSDP2's
-  reduce-scatter (a NaN in any rank's gradient reaches some shard), and of the weights after the
-  update; the weight fingerprint at unsharded positions (:mod:`detection.weights.sharded`),
-  the whole model's value on every rank, the value checkpoints carry; under HSDP the weight
-  vote of each shard across its replicate group (:mod:`detection.weights.replicas`): three
-  or more replicas name the rank, two say that they differ.
+* **on** — the non-finite check of each rank's own gradient before FSDP2's reduce-scatter
+  (:mod:`detection.guard.sharded_hook`: names the rank), of the gradient shards each rank
+  holds after it, and of the weights after the update; the weight fingerprint at unsharded
+  positions (:mod:`detection.weights.sharded`), the whole model's value on every rank, the
+  value checkpoints carry; under HSDP the weight vote of each shard across its replicate group
+  (:mod:`detection.weights.replicas`): three or more replicas name the rank, two say that
+  they differ.
 * **off, said at start** — the ring audit (``audit_every`` must be 0), the per-step layer's
   statistics and algebra (``step_checks``, ABFT), the optimizer-state vote, the comm hook of
   one's own, ``defer_decision``, fault injection: each is refused when asked for explicitly.
@@ -50,6 +51,7 @@ from detection.guard.config import (
 from detection.guard.counters import GuardCounters
 from detection.guard.decision import any_nonfinite
 from detection.guard.sharded_decision import Row, ShardedDecision
+from detection.guard.sharded_hook import CheckedReduceScatter
 from detection.guard.sharding import ShardedLayout, adopt_sharded
 from detection.row.gather import all_gather_table
 from detection.transport.alarm import Alarm
@@ -129,6 +131,8 @@ class ShardedGuard:
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
         self.decision = ShardedDecision(self.layout.replicas, self.nodes)
+        self.reduce_scatter = CheckedReduceScatter(self.device)
+        self.reduce_scatter.install(self.module)
         self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
         self._handles = []
         for opt in self.optimizers:
@@ -154,7 +158,8 @@ class ShardedGuard:
         else:
             vote = "no weight vote (one copy of each shard: a wrong update is not detected)"
         return (
-            f"on: non-finite gradient shards and weights, fingerprint, {vote}; off: ring audit, "
+            "on: non-finite gradients before and after the reduce-scatter, non-finite weights, "
+            f"fingerprint, {vote}; off: ring audit, "
             "per-step statistics and reduce-scatter algebra, ABFT, optimizer-state vote"
         )
 
@@ -189,6 +194,7 @@ class ShardedGuard:
                 "guard.step() blocks do not nest: leave one step's block before the next begins"
             )
         self._current = _Step(step)
+        self.reduce_scatter.begin_step()
         seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
         try:
             yield
@@ -286,6 +292,7 @@ class ShardedGuard:
                 any_nonfinite([_local(p) for p in self.params]),
                 torch.tensor(int(bool(current.stepped)), dtype=torch.int64, device=self.device),
                 torch.tensor(int(current.scaled), dtype=torch.int64, device=self.device),
+                self.reduce_scatter.flag,
                 *mine,
             ]
         )

@@ -1,14 +1,16 @@
 """The decision of a sharded step (FSDP2, HSDP), the same on every rank from the same rows.
 
-Each rank's row says: its step, whether the gradient shards it holds after the reduce-scatter
-hold a non-finite value, whether its weight shards do after the update, whether an optimizer
+Each rank's row says: its step, whether its own gradient held a non-finite value before the
+reduce-scatter (:mod:`detection.guard.sharded_hook`), whether the gradient shards it holds
+after the reduce-scatter do, whether its weight shards do after the update, whether an optimizer
 stepped, whether a GradScaler scaled the loss, and its shard's fingerprint (at unsharded
 positions). At most one alarm a step, the first that applies:
 
-1. **A non-finite gradient shard** (no GradScaler: under one, an overflow is the scaler's to
-   skip). The reduce-scatter sums every rank's gradient into each shard, so the shard that
-   holds the NaN says nothing about whose gradient it came from: no rank is named (naming
-   needs the check before the reduce-scatter, which this version does not run).
+1. **A non-finite gradient** (no GradScaler: under one, an overflow is the scaler's to skip).
+   Seen in a rank's own gradient before the reduce-scatter: that rank is named
+   (``pre-allreduce``). Seen only in the shards after it (``post-allreduce``): the collective
+   itself made it — it sums every rank's gradient into each shard, so the shard that holds
+   the NaN says nothing about where it arose, and no rank is named.
 2. **Non-finite weights after finite gradients**: the update of the ranks whose shards went
    non-finite produced them — those ranks are named. Weights already known non-finite (a NaN
    gradient applied, an alarm raised) are a consequence, not a new event.
@@ -43,17 +45,19 @@ class Row:
     weights_nonfinite: bool
     stepped: bool
     scaled: bool
+    own_nonfinite: bool
     part: Fingerprint
 
     @classmethod
     def read(cls, words: Sequence[int]) -> Row:
-        step, grad_nf, weights_nf, stepped, scaled, a, b = words
+        step, grad_nf, weights_nf, stepped, scaled, own_nf, a, b = words
         return cls(
             step=step,
             grad_nonfinite=bool(grad_nf),
             weights_nonfinite=bool(weights_nf),
             stepped=bool(stepped),
             scaled=bool(scaled),
+            own_nonfinite=bool(own_nf),
             part=to_fingerprint(a, b),
         )
 
@@ -85,8 +89,19 @@ class ShardedDecision:
         )
 
     def _nonfinite(self, step: int, rows: Sequence[Row]) -> Alarm | None:
+        own = [rank for rank, r in enumerate(rows) if r.own_nonfinite]
         holding = [rank for rank, r in enumerate(rows) if r.grad_nonfinite]
         scaled = any(r.scaled for r in rows)
+        if own and not scaled:
+            self.poisoned = self.poisoned or any(r.stepped for r in rows)
+            return Alarm.for_ranks(
+                step,
+                Layer.NONFINITE,
+                Phase.PRE_ALLREDUCE,
+                own,
+                self.nodes,
+                {"ranks": own, "ranks_holding_nonfinite_shards": holding},
+            )
         if holding and not scaled:
             self.poisoned = self.poisoned or any(r.stepped for r in rows)
             return Alarm.for_ranks(
@@ -97,8 +112,8 @@ class ShardedDecision:
                 self.nodes,
                 {
                     "ranks_holding_nonfinite_shards": holding,
-                    "attribution": "none: the reduce-scatter sums every rank's gradient into "
-                    "each shard",
+                    "attribution": "none: every rank's own gradient was finite; the "
+                    "reduce-scatter, which sums them into each shard, made it",
                 },
             )
         bad = [rank for rank, r in enumerate(rows) if r.weights_nonfinite]

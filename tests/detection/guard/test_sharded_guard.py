@@ -130,7 +130,7 @@ def _clean_steps(result: dict[str, Any]) -> list[tuple[int, bool, Any]]:
 
 
 @pytest.mark.slow
-def test_fsdp2_runs_the_tutorial_loop_clean_and_catches_a_nan_gradient() -> None:
+def test_fsdp2_runs_the_tutorial_loop_clean_and_names_the_rank_of_a_nan_gradient() -> None:
     results = run_ranks(_train, 2, (2,), "nan", 1, 5, timeout_s=120)
     for r in results:
         assert [o[2] for o in _clean_steps(r)] == [None] * FLIP_STEP  # silent while clean
@@ -139,8 +139,10 @@ def test_fsdp2_runs_the_tutorial_loop_clean_and_catches_a_nan_gradient() -> None
         assert "no weight vote" in r["coverage"]
         assert r["halted"]
         (alarm,) = r["alarms"]
-        assert (alarm["step"], alarm["layer"], alarm["phase"]) == (3, "nonfinite", "post-allreduce")
-        assert alarm["suspect_ranks"] == []  # the reduce-scatter mixed it into every shard
+        # seen in rank 1's own gradient, before the reduce-scatter mixed it into the shards
+        assert (alarm["step"], alarm["layer"], alarm["phase"]) == (3, "nonfinite", "pre-allreduce")
+        assert alarm["suspect_ranks"] == [1]
+        assert alarm["detail"]["ranks_holding_nonfinite_shards"] == [0, 1]
         assert r["wrong_replicas"] == []  # one copy: it holds what the guard recorded
 
 
