@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor import Shard
+from torch.utils.checkpoint import checkpoint
 
 from detection.guard import GuardConfig, GuardConfigError, GuardHaltedError, SDCGuard
 from detection.weights.load_check import LoadVerificationError
@@ -49,10 +50,20 @@ class _Net(nn.Module):
         return self.head(h)
 
 
-def _sharded(mesh_shape: tuple[int, ...]) -> nn.Module:
+class _CheckpointedNet(_Net):
+    """The same network with each block under activation checkpointing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = checkpoint(layer, h, use_reentrant=False)
+        return self.head(h)
+
+
+def _sharded(mesh_shape: tuple[int, ...], net: type[_Net] = _Net) -> nn.Module:
     """FSDP2's tutorial: fully_shard each block, then the root."""
     torch.manual_seed(0)
-    model = _Net()
+    model = net()
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     for layer in model.layers:
@@ -213,3 +224,50 @@ def test_what_the_sharded_guard_does_not_run_is_refused_with_the_reason() -> Non
     assert "FSDP1" in out["fsdp1"]
     assert "Shard(d > 0)" in out["shard-dim-1"]
     assert "root is not fully_shard-ed" in out["root-not-sharded"]
+
+
+def _recipes(rank: int, world: int) -> dict[str, Any]:
+    """Clean runs of the DDP recipes that carry over: accumulation with FSDP2's own switch,
+    autocast (bfloat16 on CPU), activation checkpointing, a GradScaler — and a GradScaler
+    whose scale overflows every gradient: the scaler skips those steps, no alarm."""
+    out: dict[str, Any] = {}
+    for recipe in ("accumulation", "autocast", "checkpointing", "scaler", "overflow"):
+        model = _sharded((world,), _CheckpointedNet if recipe == "checkpointing" else _Net)
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        micro = 2 if recipe == "accumulation" else 1
+        guard = SDCGuard(model, optim, loss_fn=_loss, config=GuardConfig(micro_batches=micro))
+        scaled = recipe in ("scaler", "overflow")
+        scale = 2.0**127 if recipe == "overflow" else 2.0**10
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scaled)
+        before = sharded_fingerprint(model.parameters())
+        for step in range(3):
+            with guard.step(step):
+                for m in range(micro):
+                    model.set_requires_gradient_sync(m == micro - 1)  # type: ignore[operator]
+                    with torch.autocast("cpu", torch.bfloat16, enabled=recipe == "autocast"):
+                        loss = _loss(model, _batch(step, 10 * rank + m))
+                    if recipe == "overflow":
+                        loss = loss * 1e6  # times 2**127: infinite on every rank
+                    guard.backward(loss, scaler=scaler if scaled else None)
+                scaler.step(optim)
+                scaler.update()
+                optim.zero_grad()
+        assert guard.last_outcome is not None
+        out[recipe] = {
+            "steps": guard.counters.steps,
+            "alarms": [a.to_report() for a in guard.alarms],
+            "fingerprint_matches": guard.last_outcome.fingerprint
+            == sharded_fingerprint(model.parameters()),
+            "updated": guard.last_outcome.fingerprint != before,
+        }
+        guard.close()
+    return out
+
+
+@pytest.mark.slow
+def test_the_ddp_recipes_that_carry_over_run_clean_on_fsdp2() -> None:
+    for result in run_ranks(_recipes, 2, timeout_s=120):
+        for recipe, r in result.items():
+            updated = recipe != "overflow"  # every step overflowed: the scaler skipped them all
+            want = {"steps": 3, "alarms": [], "fingerprint_matches": True, "updated": updated}
+            assert r == want, recipe
