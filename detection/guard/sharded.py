@@ -9,14 +9,16 @@ What runs in this first cut, per step, and what does not (never claimed):
 
 * **on** — the non-finite check of each rank's own gradient before FSDP2's reduce-scatter
   (:mod:`detection.guard.sharded_hook`: names the rank), of the gradient shards each rank
-  holds after it, and of the weights after the update; the weight fingerprint at unsharded
-  positions (:mod:`detection.weights.sharded`), the whole model's value on every rank, the
-  value checkpoints carry; under HSDP the weight vote of each shard across its replicate group
-  (:mod:`detection.weights.replicas`): three or more replicas name the rank, two say that
-  they differ.
+  holds after it, and of the weights after the update; the algebra of the reduce-scatter
+  (the shards' sum against the inputs', within a rounding bound), decided as the step ends;
+  the weight fingerprint at unsharded positions (:mod:`detection.weights.sharded`), the whole
+  model's value on every rank, the value checkpoints carry; under HSDP the weight vote of
+  each shard across its replicate group (:mod:`detection.weights.replicas`): three or more
+  replicas name the rank, two say that they differ.
 * **off, said at start** — the ring audit (``audit_every`` must be 0), the per-step layer's
-  statistics and algebra (``step_checks``, ABFT), the optimizer-state vote, the comm hook of
-  one's own, ``defer_decision``, fault injection: each is refused when asked for explicitly.
+  statistics (``step_checks``, ABFT), the optimizer-state vote, ``defer_decision``, fault
+  injection: each is refused when asked for explicitly. A reduce-scatter of one's own
+  (``comm_hook=``, an FSDP2 ``ReduceScatter``) is wrapped, as a DDP comm hook is.
   Under pure FSDP2 nothing compares a shard with another copy, so a wrong update or a flip in
   a rank's stored weights is *not* detected (``docs/guide.md``), and no checkpoint is verified
   by a vote there (:class:`~detection.gate.StepOutcome` ``vote_passed`` is false).
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from detection.audit.ring import seed_rng, step_seed
@@ -73,7 +76,8 @@ def _refuse_unsupported(config: GuardConfig, comm_hook: Any) -> None:
         "skip_update_on_alarm=True": config.skip_update_on_alarm,
         "defer_decision=True": config.defer_decision,
         "inject (fault injection)": bool(config.inject),
-        "comm_hook (FSDP2 has no DDP comm hook)": comm_hook is not None,
+        "comm_hook that is not an FSDP2 ReduceScatter": comm_hook is not None
+        and not isinstance(comm_hook, ReduceScatter),
     }
     asked = [what for what, on in refused.items() if on]
     if asked:
@@ -131,7 +135,7 @@ class ShardedGuard:
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
         self.decision = ShardedDecision(self.layout.replicas, self.nodes)
-        self.reduce_scatter = CheckedReduceScatter(self.device)
+        self.reduce_scatter = CheckedReduceScatter(self.device, inner=comm_hook)
         self.reduce_scatter.install(self.module)
         self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
         self._handles = []
@@ -158,9 +162,9 @@ class ShardedGuard:
         else:
             vote = "no weight vote (one copy of each shard: a wrong update is not detected)"
         return (
-            "on: non-finite gradients before and after the reduce-scatter, non-finite weights, "
-            f"fingerprint, {vote}; off: ring audit, "
-            "per-step statistics and reduce-scatter algebra, ABFT, optimizer-state vote"
+            "on: non-finite gradients before and after the reduce-scatter, its algebra, "
+            f"non-finite weights, fingerprint, {vote}; off: ring audit, per-step gradient "
+            "statistics, ABFT, optimizer-state vote"
         )
 
     def _agree(self, identity: Identity | None) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
@@ -293,6 +297,8 @@ class ShardedGuard:
                 torch.tensor(int(bool(current.stepped)), dtype=torch.int64, device=self.device),
                 torch.tensor(int(current.scaled), dtype=torch.int64, device=self.device),
                 self.reduce_scatter.flag,
+                torch.tensor(self.reduce_scatter.unchecked, dtype=torch.int64, device=self.device),
+                *self.reduce_scatter.sums.view(torch.int64),
                 *mine,
             ]
         )

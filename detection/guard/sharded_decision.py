@@ -14,7 +14,10 @@ positions). At most one alarm a step, the first that applies:
 2. **Non-finite weights after finite gradients**: the update of the ranks whose shards went
    non-finite produced them — those ranks are named. Weights already known non-finite (a NaN
    gradient applied, an alarm raised) are a consequence, not a new event.
-3. **A replica split** (HSDP): a replicate group's copies of its shard disagree
+3. **The reduce-scatter's algebra**: the shards' sum against the inputs' (scaled), beyond
+   the rounding bound (:mod:`detection.guard.sharded_hook`): alarm ``allreduce``, no rank
+   named.
+4. **A replica split** (HSDP): a replicate group's copies of its shard disagree
    (:mod:`detection.weights.replicas`) — three or more copies name the divergent ranks, two
    say that they differ. A split seen before is a consequence; a new one is raised.
 
@@ -24,6 +27,8 @@ positions). At most one alarm a step, the first that applies:
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +41,39 @@ from detection.weights.vote import KnownDivergence
 __all__ = ["Row", "ShardedDecision"]
 
 
+def _float(word: int) -> float:
+    """A float64 sent as the int64 with its bits."""
+    value: float = struct.unpack("<d", struct.pack("<q", word))[0]
+    return value
+
+
+def _algebra(step: int, rows: Sequence[Row]) -> Alarm | None:
+    """The reduce-scatter's shards against its inputs (:mod:`detection.guard.sharded_hook`):
+    a residual beyond every rank's rounding margin together cannot be rounding."""
+    values = [v for r in rows for v in (r.reduced_in, r.margin, r.reduced_out)]
+    if any(r.unchecked for r in rows) or not all(math.isfinite(v) for v in values):
+        return None  # an unreadable scale, or non-finite values: the non-finite check's
+    expected = math.fsum(r.reduced_in for r in rows)
+    got = math.fsum(r.reduced_out for r in rows)
+    bound = math.fsum(r.margin for r in rows)
+    if abs(got - expected) <= bound:
+        return None
+    return Alarm.for_ranks(
+        step,
+        Layer.ALLREDUCE,
+        Phase.POST_ALLREDUCE,
+        (),
+        (),
+        {
+            "collective": "reduce-scatter",
+            "expected": expected,
+            "got": got,
+            "residual": abs(got - expected),
+            "bound": bound,
+        },
+    )
+
+
 @dataclass(frozen=True)
 class Row:
     """One rank's evidence for one step, as all-gathered."""
@@ -46,11 +84,17 @@ class Row:
     stepped: bool
     scaled: bool
     own_nonfinite: bool
+    unchecked: int  # reduce-scatters whose scale the check could not read
+    reduced_in: float  # c·Σ of this rank's reduce-scatter inputs
+    margin: float  # its share of the rounding bound
+    reduced_out: float  # Σ of the shards it received
     part: Fingerprint
 
     @classmethod
     def read(cls, words: Sequence[int]) -> Row:
-        step, grad_nf, weights_nf, stepped, scaled, own_nf, a, b = words
+        step, grad_nf, weights_nf, stepped, scaled, own_nf, unchecked, s_in, bound, s_out, a, b = (
+            words
+        )
         return cls(
             step=step,
             grad_nonfinite=bool(grad_nf),
@@ -58,6 +102,10 @@ class Row:
             stepped=bool(stepped),
             scaled=bool(scaled),
             own_nonfinite=bool(own_nf),
+            unchecked=unchecked,
+            reduced_in=_float(s_in),
+            margin=_float(bound),
+            reduced_out=_float(s_out),
             part=to_fingerprint(a, b),
         )
 
@@ -76,7 +124,7 @@ class ShardedDecision:
         parts = [r.part for r in rows]
         whole = self.replicas.whole(parts)
         verdict = replica_vote(parts, self.replicas)
-        alarm = self._nonfinite(step, rows) or self._split(step, parts)
+        alarm = self._nonfinite(step, rows) or _algebra(step, rows) or self._split(step, parts)
         finite = not any(r.weights_nonfinite for r in rows)
         if finite:
             self.poisoned = False

@@ -9,6 +9,24 @@ name it. :class:`CheckedReduceScatter` ORs a device flag with "the input holds a
 infinity" and then runs the same collective FSDP2's default does; the flag is read once a step,
 in the guard's row, with no host synchronisation of its own.
 
+*The algebra of the reduce-scatter.* The shards it writes hold, together, the reduction of
+every rank's input: with ``c`` the op's scale (1 for ``SUM``, ``1/W`` for ``AVG`` over ``W``
+ranks), ``Σ_r Σ out_r = c·Σ_r Σ in_r`` in exact arithmetic. Each rank sums its input and its
+output shard in float64 (``torch.sum(dtype=float64)``: no copy), and the decision compares
+``Σ_r out_r`` with ``Σ_r c·in_r``. Rounding: every output element is the reduction of
+``W`` words of the reduce dtype (unit roundoff ``u``) in some order, then scaled: its error
+is at most ``(gamma_(W-1) + 2u)·c·Σ_r |x_r|`` (``gamma_k = k·u/(1 - k·u)``), and the float64
+sums of ``n`` words add ``gamma_n`` (float64) of ``Σ|in|`` and of ``Σ|out| ≤ c·Σ|in|·(1 + …)``
+each. So each rank also sends its ``margin = c·Σ|in|·(gamma_(W-1) + 2u + 3·gamma_n(2**-53))``,
+and a residual beyond the sum of the margins cannot be rounding: alarm
+``allreduce/post-allreduce`` (no rank named: which rank's arithmetic inside the collective
+went wrong is not visible from its ends). A
+``PREMUL_SUM`` op (``set_gradient_divide_factor``) has a scale the comm cannot read: such a
+step is not checked, and the row says so.
+
+A reduce-scatter of the user's own (``SDCGuard(comm_hook=...)``, a FSDP2 ``ReduceScatter``)
+is wrapped: the checks run around it.
+
 Installed on every ``FSDPModule`` of the model (each ``fully_shard`` call is one parameter
 group with its own reduce-scatter). A comm set later with ``set_custom_reduce_scatter``
 replaces it: the guard then sees the shards only (``calls`` stays 0, and the row says so).
@@ -28,11 +46,16 @@ __all__ = ["CheckedReduceScatter"]
 
 
 class CheckedReduceScatter(ReduceScatter):
-    """The default reduce-scatter, after a non-finite check of this rank's input."""
+    """The default (or the user's) reduce-scatter, with a non-finite check of this rank's input
+    and the sums of its input and output for the algebra check."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, inner: ReduceScatter | None = None) -> None:
         self.flag = torch.zeros((), dtype=torch.int64, device=device)
+        # c·Σ in, margin, Σ out: this step's, over every reduce-scatter of every FSDP module
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)
+        self.inner = inner
         self.calls = 0
+        self.unchecked = 0  # calls whose op's scale is unknown (PREMUL_SUM)
 
     def install(self, model: nn.Module) -> int:
         """Become the reduce-scatter of every FSDP2 module in ``model``; how many."""
@@ -43,11 +66,15 @@ class CheckedReduceScatter(ReduceScatter):
 
     def begin_step(self) -> None:
         self.flag.zero_()
+        self.sums.zero_()
         self.calls = 0
+        self.unchecked = 0
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
+        if self.inner is not None:
+            return self.inner.allocate(size, dtype=dtype, device=device)
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
@@ -58,11 +85,48 @@ class CheckedReduceScatter(ReduceScatter):
         op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
-        if input_tensor.is_floating_point():
+        self.calls += 1
+        floating = input_tensor.is_floating_point()
+        if floating:
             bad = (~torch.isfinite(input_tensor).all()).to(torch.int64)
             self.flag.bitwise_or_(bad.to(self.flag.device))
-        self.calls += 1
-        work: dist.Work | None = dist.reduce_scatter_single(
-            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
-        )
+        scale = _scale(op, group)
+        if floating and scale is not None:
+            s_in = torch.sum(input_tensor, dtype=torch.float64)
+            s_abs = torch.linalg.vector_norm(input_tensor, 1, dtype=torch.float64)
+        elif floating:
+            self.unchecked += 1
+        work: dist.Work | None
+        if self.inner is not None:
+            work = self.inner(output_tensor, input_tensor, group, op, async_op)
+        else:
+            work = dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+            )
+        if floating and scale is not None:
+            if async_op and work is not None:
+                work.wait()
+            s_out = torch.sum(output_tensor, dtype=torch.float64)
+            k = _margin(group.size(), input_tensor.dtype, input_tensor.numel())
+            part = torch.stack([scale * s_in, k * scale * s_abs, s_out])
+            self.sums.add_(part.to(self.sums.device))
         return work
+
+
+def _scale(op: dist.ReduceOp | dist.ReduceOp.RedOpType, group: dist.ProcessGroup) -> float | None:
+    """``c`` of the module: 1 for SUM, 1/W for AVG, unknown otherwise."""
+    if op == dist.ReduceOp.SUM:
+        return 1.0
+    if op == dist.ReduceOp.AVG:
+        return 1.0 / group.size()
+    return None
+
+
+def _gamma(k: int, u: float) -> float:
+    return k * u / (1 - k * u)
+
+
+def _margin(world: int, dtype: torch.dtype, n: int) -> float:
+    """The per-unit-of-``c·Σ|in|`` rounding allowance of the module's bound."""
+    u = torch.finfo(dtype).eps / 2
+    return _gamma(max(world - 1, 1), u) + 2 * u + 3 * _gamma(max(n, 1), 2.0**-53)

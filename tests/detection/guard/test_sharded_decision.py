@@ -22,7 +22,7 @@ def _row(
     weights: bool = False,
     scaled: bool = False,
 ) -> Row:
-    return Row(step, shard, weights, True, scaled, own, Fingerprint(part, part))
+    return Row(step, shard, weights, True, scaled, own, 0, 1.0, 1e-6, 1.0, Fingerprint(part, part))
 
 
 def test_a_clean_step_passes_the_vote_only_where_there_is_one() -> None:
@@ -78,3 +78,22 @@ def test_a_split_is_raised_once_and_a_new_split_again() -> None:
     assert again is not None
     assert again.suspect_ranks == ()  # 2 of 4 agree: no strict majority
     assert again.detail["ambiguous"] is True
+
+
+def test_the_reduce_scatter_algebra_allows_rounding_and_nothing_more() -> None:
+    def rows(out: float, *, unchecked: int = 0) -> list[Row]:
+        first = Row(
+            1, False, False, True, False, False, unchecked, 2.0, 1e-6, out, Fingerprint(7, 7)
+        )
+        return [first, *[_row()] * 3]  # the others: in 1.0, out 1.0, margin 1e-6 each
+
+    assert ShardedDecision(FSDP, NODES).decide(1, rows(2.0 + 3.9e-6)).alarm is None
+    alarm = ShardedDecision(FSDP, NODES).decide(1, rows(2.0 + 4.1e-6)).alarm
+    assert alarm is not None
+    assert (alarm.layer, alarm.phase, alarm.suspect_ranks) == (
+        Layer.ALLREDUCE,
+        Phase.POST_ALLREDUCE,
+        (),
+    )
+    assert alarm.detail["bound"] == 4e-6
+    assert ShardedDecision(FSDP, NODES).decide(1, rows(3.0, unchecked=1)).alarm is None

@@ -5,6 +5,7 @@ support is refused at construction, saying so."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
@@ -97,12 +99,43 @@ def _flip_weight_on(rank: int, target: int) -> Any:
     return hook
 
 
+class _FaultyReduceScatter(ReduceScatter):
+    """The collective with a fault inside it: at one call, the shard one rank receives comes
+    back with bit 30 (the exponent's top bit) of its first element flipped."""
+
+    def __init__(self, rank: int, target: int, at_call: int) -> None:
+        self.rank, self.target, self.at_call, self.calls = rank, target, at_call, 0
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work: dist.Work | None = dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+        )
+        if self.calls == self.at_call and self.rank == self.target:
+            output_tensor.view(torch.int32)[0] ^= 1 << 30
+        self.calls += 1
+        return work
+
+
 def _train(
     rank: int, world: int, mesh_shape: tuple[int, ...], fault: str, target: int, steps: int
 ) -> dict[str, Any]:
     model = _sharded(mesh_shape)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    guard = SDCGuard(model, optim, loss_fn=_loss, config=GuardConfig(seed=1))
+    # three FSDP modules (two blocks and the root): three reduce-scatters a step
+    comm = _FaultyReduceScatter(rank, target, 3 * FLIP_STEP) if fault == "reduced" else None
+    guard = SDCGuard(model, optim, loss_fn=_loss, config=GuardConfig(seed=1), comm_hook=comm)
     if fault == "weight":
         optim.register_step_post_hook(_flip_weight_on(rank, target))
     outcomes = []
@@ -155,6 +188,20 @@ def test_fsdp2_runs_the_tutorial_loop_clean_and_names_the_rank_of_a_nan_gradient
         assert alarm["suspect_ranks"] == [1]
         assert alarm["detail"]["ranks_holding_nonfinite_shards"] == [0, 1]
         assert r["wrong_replicas"] == []  # one copy: it holds what the guard recorded
+
+
+@pytest.mark.slow
+def test_a_reduce_scatter_that_miscomputes_a_shard_fails_its_algebra() -> None:
+    """A fault inside the collective (the user's own reduce-scatter, which the guard wraps):
+    every rank's own gradient is finite and its shards are finite, but their sum is not the
+    sum of the inputs beyond any rounding. Silent on the clean steps before."""
+    results = run_ranks(_train, 2, (2,), "reduced", 0, 5, timeout_s=120)
+    for r in results:
+        assert [o[2] for o in _clean_steps(r)] == [None] * FLIP_STEP
+        (alarm,) = r["alarms"]
+        assert (alarm["step"], alarm["layer"], alarm["phase"]) == (3, "allreduce", "post-allreduce")
+        assert alarm["suspect_ranks"] == []
+        assert alarm["detail"]["residual"] > alarm["detail"]["bound"] > 0
 
 
 @pytest.mark.slow
