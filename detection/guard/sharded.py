@@ -11,14 +11,16 @@ What runs in this first cut, per step, and what does not (never claimed):
   (:mod:`detection.guard.sharded_hook`: names the rank), of the gradient shards each rank
   holds after it, and of the weights after the update; the algebra of the reduce-scatter
   (the shards' sum against the inputs', within a rounding bound), decided as the step ends;
+  every rank's view of the all-gathered parameters compared within its all-gather group;
   the weight fingerprint at unsharded positions (:mod:`detection.weights.sharded`), the whole
   model's value on every rank, the value checkpoints carry; under HSDP the weight vote of
   each shard across its replicate group (:mod:`detection.weights.replicas`): three or more
   replicas name the rank, two say that they differ.
 * **off, said at start** — the ring audit (``audit_every`` must be 0), the per-step layer's
   statistics (``step_checks``, ABFT), the optimizer-state vote, ``defer_decision``, fault
-  injection: each is refused when asked for explicitly. A reduce-scatter of one's own
-  (``comm_hook=``, an FSDP2 ``ReduceScatter``) is wrapped, as a DDP comm hook is.
+  injection: each is refused when asked for explicitly. A reduce-scatter or all-gather of
+  one's own (``comm_hook=``, FSDP2's ``ReduceScatter`` / ``AllGather``, or one of each) is
+  wrapped, as a DDP comm hook is.
   Under pure FSDP2 nothing compares a shard with another copy, so a wrong update or a flip in
   a rank's stored weights is *not* detected (``docs/guide.md``), and no checkpoint is verified
   by a vote there (:class:`~detection.gate.StepOutcome` ``vote_passed`` is false).
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from detection.audit.ring import seed_rng, step_seed
@@ -54,7 +56,7 @@ from detection.guard.config import (
 from detection.guard.counters import GuardCounters
 from detection.guard.decision import any_nonfinite
 from detection.guard.sharded_decision import Row, ShardedDecision
-from detection.guard.sharded_hook import CheckedReduceScatter
+from detection.guard.sharded_hook import CheckedAllGather, CheckedReduceScatter
 from detection.guard.sharding import ShardedLayout, adopt_sharded
 from detection.row.gather import all_gather_table
 from detection.transport.alarm import Alarm
@@ -76,8 +78,9 @@ def _refuse_unsupported(config: GuardConfig, comm_hook: Any) -> None:
         "skip_update_on_alarm=True": config.skip_update_on_alarm,
         "defer_decision=True": config.defer_decision,
         "inject (fault injection)": bool(config.inject),
-        "comm_hook that is not an FSDP2 ReduceScatter": comm_hook is not None
-        and not isinstance(comm_hook, ReduceScatter),
+        "comm_hook that is not an FSDP2 ReduceScatter, AllGather or one of each": comm_hook
+        is not None
+        and _comms(comm_hook) is None,
     }
     asked = [what for what, on in refused.items() if on]
     if asked:
@@ -86,6 +89,17 @@ def _refuse_unsupported(config: GuardConfig, comm_hook: Any) -> None:
             + ", ".join(asked)
             + " (docs/guide.md, 'Sharded models', lists what runs)"
         )
+
+
+def _comms(hook: Any) -> tuple[ReduceScatter | None, AllGather | None] | None:
+    """A user's FSDP2 comms as (reduce-scatter, all-gather), or ``None`` if ``hook`` is not
+    one of them or a pair of one each."""
+    items = list(hook) if isinstance(hook, list | tuple) else [hook]
+    rs = [c for c in items if isinstance(c, ReduceScatter)]
+    ag = [c for c in items if isinstance(c, AllGather)]
+    if len(rs) > 1 or len(ag) > 1 or len(rs) + len(ag) != len(items) or not items:
+        return None
+    return (rs[0] if rs else None, ag[0] if ag else None)
 
 
 class ShardedGuard:
@@ -134,9 +148,12 @@ class ShardedGuard:
         self.halted = False
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
-        self.decision = ShardedDecision(self.layout.replicas, self.nodes)
-        self.reduce_scatter = CheckedReduceScatter(self.device, inner=comm_hook)
+        self.decision = ShardedDecision(self.layout.replicas, self.nodes, self.layout.gatherers)
+        inner_rs, inner_ag = _comms(comm_hook) or (None, None)
+        self.reduce_scatter = CheckedReduceScatter(self.device, inner=inner_rs)
         self.reduce_scatter.install(self.module)
+        self.all_gather = CheckedAllGather(self.device, inner=inner_ag)
+        self.all_gather.install(self.module)
         self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
         self._handles = []
         for opt in self.optimizers:
@@ -162,7 +179,8 @@ class ShardedGuard:
         else:
             vote = "no weight vote (one copy of each shard: a wrong update is not detected)"
         return (
-            "on: non-finite gradients before and after the reduce-scatter, its algebra, "
+            "on: non-finite gradients before and after the reduce-scatter, its algebra, the "
+            "all-gather's views compared, "
             f"non-finite weights, fingerprint, {vote}; off: ring audit, per-step gradient "
             "statistics, ABFT, optimizer-state vote"
         )
@@ -199,6 +217,7 @@ class ShardedGuard:
             )
         self._current = _Step(step)
         self.reduce_scatter.begin_step()
+        self.all_gather.begin_step()
         seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
         try:
             yield
@@ -299,6 +318,7 @@ class ShardedGuard:
                 self.reduce_scatter.flag,
                 torch.tensor(self.reduce_scatter.unchecked, dtype=torch.int64, device=self.device),
                 *self.reduce_scatter.sums.view(torch.int64),
+                *self.all_gather.view,
                 *mine,
             ]
         )

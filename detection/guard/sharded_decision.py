@@ -17,7 +17,11 @@ positions). At most one alarm a step, the first that applies:
 3. **The reduce-scatter's algebra**: the shards' sum against the inputs' (scaled), beyond
    the rounding bound (:mod:`detection.guard.sharded_hook`): alarm ``allreduce``, no rank
    named.
-4. **A replica split** (HSDP): a replicate group's copies of its shard disagree
+4. **The all-gather's views**: every rank of an all-gather group received the same bytes
+   (:class:`~detection.guard.sharded_hook.CheckedAllGather`); a rank whose view differs is
+   named by a strict majority of three or more, two say that they differ (alarm
+   ``allreduce/forward``).
+5. **A replica split** (HSDP): a replicate group's copies of its shard disagree
    (:mod:`detection.weights.replicas`) — three or more copies name the divergent ranks, two
    say that they differ. A split seen before is a consequence; a new one is raised.
 
@@ -88,13 +92,15 @@ class Row:
     reduced_in: float  # c·Σ of this rank's reduce-scatter inputs
     margin: float  # its share of the rounding bound
     reduced_out: float  # Σ of the shards it received
+    gathered: Fingerprint  # what it received from the step's all-gathers
     part: Fingerprint
 
     @classmethod
     def read(cls, words: Sequence[int]) -> Row:
-        step, grad_nf, weights_nf, stepped, scaled, own_nf, unchecked, s_in, bound, s_out, a, b = (
-            words
-        )
+        step, grad_nf, weights_nf, stepped, scaled, own_nf, unchecked, s_in, bound, s_out = words[
+            :10
+        ]
+        ga, gb, a, b = words[10:]
         return cls(
             step=step,
             grad_nonfinite=bool(grad_nf),
@@ -106,6 +112,7 @@ class Row:
             reduced_in=_float(s_in),
             margin=_float(bound),
             reduced_out=_float(s_out),
+            gathered=to_fingerprint(ga, gb),
             part=to_fingerprint(a, b),
         )
 
@@ -114,8 +121,11 @@ class ShardedDecision:
     """What every rank concludes from one step's rows; keeps what is already known (a
     poisoned model, a split already alarmed) so that consequences are not new events."""
 
-    def __init__(self, replicas: ReplicaGroups, nodes: Sequence[str]) -> None:
+    def __init__(
+        self, replicas: ReplicaGroups, nodes: Sequence[str], gatherers: ReplicaGroups | None = None
+    ) -> None:
         self.replicas = replicas
+        self.gatherers = gatherers
         self.nodes = tuple(nodes)
         self.poisoned = False  # weights known non-finite, after an alarm said why
         self.known = {group: KnownDivergence() for group in replicas.groups}
@@ -124,7 +134,12 @@ class ShardedDecision:
         parts = [r.part for r in rows]
         whole = self.replicas.whole(parts)
         verdict = replica_vote(parts, self.replicas)
-        alarm = self._nonfinite(step, rows) or _algebra(step, rows) or self._split(step, parts)
+        alarm = (
+            self._nonfinite(step, rows)
+            or _algebra(step, rows)
+            or self._gathered(step, rows)
+            or self._split(step, parts)
+        )
         finite = not any(r.weights_nonfinite for r in rows)
         if finite:
             self.poisoned = False
@@ -175,6 +190,27 @@ class ShardedDecision:
             bad,
             self.nodes,
             {"ranks_with_nonfinite_shards": bad, "gradients": "finite"},
+        )
+
+    def _gathered(self, step: int, rows: Sequence[Row]) -> Alarm | None:
+        """The ranks of one all-gather group received the same bytes, or some did not."""
+        if self.gatherers is None:
+            return None
+        verdict = replica_vote([r.gathered for r in rows], self.gatherers)
+        if verdict.passed:
+            return None
+        named = verdict.divergent if verdict.culprit_known else ()
+        return Alarm.for_ranks(
+            step,
+            Layer.ALLREDUCE,
+            Phase.FORWARD,
+            named,
+            self.nodes,
+            {
+                "collective": "all-gather",
+                "groups_split": [list(g) for g in verdict.split],
+                "ambiguous": not verdict.culprit_known,
+            },
         )
 
     def _split(self, step: int, parts: Sequence[Fingerprint]) -> Alarm | None:

@@ -40,9 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-__all__ = ["CheckedReduceScatter"]
+from detection.weights.fingerprint import fingerprint_on_device
+
+__all__ = ["CheckedAllGather", "CheckedReduceScatter"]
 
 
 class CheckedReduceScatter(ReduceScatter):
@@ -130,3 +132,61 @@ def _margin(world: int, dtype: torch.dtype, n: int) -> float:
     """The per-unit-of-``c·Σ|in|`` rounding allowance of the module's bound."""
     u = torch.finfo(dtype).eps / 2
     return _gamma(max(world - 1, 1), u) + 2 * u + 3 * _gamma(max(n, 1), 2.0**-53)
+
+
+class CheckedAllGather(AllGather):
+    """The default (or the user's) all-gather, with the fingerprint of what this rank received.
+
+    Every rank of an all-gather receives the same bytes: the concatenation of every rank's
+    (padded) shard. So each rank fingerprints its output — at positions that run on across the
+    step's calls, so that two calls' words never cancel — and the decision compares the ranks
+    of each all-gather group: a rank whose view differs received (or holds) a wrong parameter
+    for its forward or backward. With an async call the fingerprint waits for the collective:
+    on CUDA ``wait`` orders the all-gather stream after it (no host synchronisation, compute
+    still overlaps); on CPU it blocks, so gloo's prefetch no longer overlaps compute."""
+
+    def __init__(self, device: torch.device, inner: AllGather | None = None) -> None:
+        self.view = torch.zeros(2, dtype=torch.int64, device=device)
+        self.inner = inner
+        self.position = 0
+        self.calls = 0
+
+    def install(self, model: nn.Module) -> int:
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.set_custom_all_gather(self)
+        return len(modules)
+
+    def begin_step(self) -> None:
+        self.view.zero_()
+        self.position = 0
+        self.calls = 0
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        if self.inner is not None:
+            return self.inner.allocate(size, dtype=dtype, device=device)
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work: dist.Work | None
+        if self.inner is not None:
+            work = self.inner(output_tensor, input_tensor, group, async_op)
+        else:
+            work = dist.all_gather_single(
+                output_tensor, input_tensor, group=group, async_op=async_op
+            )
+        if async_op and work is not None:
+            work.wait()
+        fp = fingerprint_on_device([output_tensor], start=self.position)
+        self.view.add_(fp.to(self.view.device))
+        self.position += output_tensor.numel()
+        self.calls += 1
+        return work

@@ -42,6 +42,7 @@ class ShardedLayout:
     params: list[nn.Parameter]
     mesh: DeviceMesh
     replicas: ReplicaGroups
+    gatherers: ReplicaGroups  # the all-gather groups: the ranks of one replica of the model
 
     @property
     def hsdp(self) -> bool:
@@ -135,9 +136,11 @@ def adopt_sharded(model: nn.Module) -> ShardedLayout:
             "(pipeline stages, a sub-mesh) is not supported"
         )
     table = mesh.mesh.tolist()
+    rows = table if mesh.ndim == 2 else [table]
     return ShardedLayout(
         module=root,
         params=params,
         mesh=mesh,
-        replicas=ReplicaGroups.of_mesh(table if mesh.ndim == 2 else [table]),
+        replicas=ReplicaGroups.of_mesh(rows),
+        gatherers=ReplicaGroups(tuple(tuple(row) for row in rows)),
     )

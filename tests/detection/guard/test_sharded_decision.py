@@ -11,18 +11,33 @@ from detection.weights.replicas import ReplicaGroups
 NODES = ("node-0", "node-0", "node-1", "node-1")
 FOUR_REPLICAS = ReplicaGroups.of_mesh([[0], [1], [2], [3]])
 FSDP = ReplicaGroups.of_mesh([[0, 1, 2, 3]])
+ONE_GATHER = ReplicaGroups(((0, 1, 2, 3),))
 
 
 def _row(
     step: int = 1,
     *,
+    gathered: int = 3,
     part: int = 7,
     own: bool = False,
     shard: bool = False,
     weights: bool = False,
     scaled: bool = False,
 ) -> Row:
-    return Row(step, shard, weights, True, scaled, own, 0, 1.0, 1e-6, 1.0, Fingerprint(part, part))
+    return Row(
+        step,
+        shard,
+        weights,
+        True,
+        scaled,
+        own,
+        0,
+        1.0,
+        1e-6,
+        1.0,
+        Fingerprint(gathered, gathered),
+        Fingerprint(part, part),
+    )
 
 
 def test_a_clean_step_passes_the_vote_only_where_there_is_one() -> None:
@@ -83,7 +98,18 @@ def test_a_split_is_raised_once_and_a_new_split_again() -> None:
 def test_the_reduce_scatter_algebra_allows_rounding_and_nothing_more() -> None:
     def rows(out: float, *, unchecked: int = 0) -> list[Row]:
         first = Row(
-            1, False, False, True, False, False, unchecked, 2.0, 1e-6, out, Fingerprint(7, 7)
+            1,
+            False,
+            False,
+            True,
+            False,
+            False,
+            unchecked,
+            2.0,
+            1e-6,
+            out,
+            Fingerprint(3, 3),
+            Fingerprint(7, 7),
         )
         return [first, *[_row()] * 3]  # the others: in 1.0, out 1.0, margin 1e-6 each
 
@@ -97,3 +123,15 @@ def test_the_reduce_scatter_algebra_allows_rounding_and_nothing_more() -> None:
     )
     assert alarm.detail["bound"] == 4e-6
     assert ShardedDecision(FSDP, NODES).decide(1, rows(3.0, unchecked=1)).alarm is None
+
+
+def test_a_rank_that_gathered_other_bytes_is_named_by_a_majority() -> None:
+    decision = ShardedDecision(FSDP, NODES, ONE_GATHER)
+    assert decision.decide(1, [_row()] * 4).alarm is None
+    alarm = decision.decide(2, [_row(2), _row(2), _row(2), _row(2, gathered=4)]).alarm
+    assert alarm is not None
+    assert (alarm.layer, alarm.phase, alarm.suspect_ranks) == (Layer.ALLREDUCE, Phase.FORWARD, (3,))
+    pair = ShardedDecision(ReplicaGroups.of_mesh([[0, 1]]), NODES, ReplicaGroups(((0, 1),)))
+    alarm = pair.decide(1, [_row(), _row(gathered=4)]).alarm
+    assert alarm is not None
+    assert (alarm.suspect_ranks, alarm.detail["ambiguous"]) == ((), True)

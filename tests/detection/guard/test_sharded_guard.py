@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
@@ -128,18 +128,54 @@ class _FaultyReduceScatter(ReduceScatter):
         return work
 
 
+class _FaultyAllGather(AllGather):
+    """An all-gather whose result on one rank, once armed, comes back with bit 22 (the
+    mantissa's top bit) of one element flipped: one rank computes with a wrong parameter."""
+
+    def __init__(self, rank: int, target: int) -> None:
+        self.rank, self.target, self.armed = rank, target, False
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work: dist.Work | None = dist.all_gather_single(
+            output_tensor, input_tensor, group=group, async_op=async_op
+        )
+        if self.armed and self.rank == self.target:
+            if work is not None:
+                work.wait()
+            output_tensor.view(torch.int32)[1] ^= 1 << 22
+        self.armed = False
+        return work
+
+
 def _train(
     rank: int, world: int, mesh_shape: tuple[int, ...], fault: str, target: int, steps: int
 ) -> dict[str, Any]:
     model = _sharded(mesh_shape)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     # three FSDP modules (two blocks and the root): three reduce-scatters a step
-    comm = _FaultyReduceScatter(rank, target, 3 * FLIP_STEP) if fault == "reduced" else None
+    comm: Any = None
+    if fault == "reduced":
+        comm = _FaultyReduceScatter(rank, target, 3 * FLIP_STEP)
+    elif fault == "gathered":
+        comm = _FaultyAllGather(rank, target)
     guard = SDCGuard(model, optim, loss_fn=_loss, config=GuardConfig(seed=1), comm_hook=comm)
     if fault == "weight":
         optim.register_step_post_hook(_flip_weight_on(rank, target))
     outcomes = []
     for step in range(steps):
+        if fault == "gathered" and step == FLIP_STEP:
+            comm.armed = True
         try:
             with guard.step(step):
                 x, y = _batch(step, rank)
@@ -202,6 +238,20 @@ def test_a_reduce_scatter_that_miscomputes_a_shard_fails_its_algebra() -> None:
         assert (alarm["step"], alarm["layer"], alarm["phase"]) == (3, "allreduce", "post-allreduce")
         assert alarm["suspect_ranks"] == []
         assert alarm["detail"]["residual"] > alarm["detail"]["bound"] > 0
+
+
+@pytest.mark.slow
+def test_a_rank_that_gathers_a_wrong_parameter_is_named() -> None:
+    """Four ranks all-gather the same bytes; rank 2's copy of one parameter comes back with a
+    bit flipped (the user's own all-gather, which the guard wraps): a strict majority of the
+    four views names it."""
+    results = run_ranks(_train, 4, (4,), "gathered", 2, 5, timeout_s=120)
+    for r in results:
+        assert [o[2] for o in _clean_steps(r)] == [None] * FLIP_STEP
+        (alarm,) = r["alarms"]
+        assert (alarm["step"], alarm["layer"], alarm["phase"]) == (3, "allreduce", "forward")
+        assert alarm["suspect_ranks"] == [2]
+        assert alarm["detail"]["collective"] == "all-gather"
 
 
 @pytest.mark.slow
