@@ -11,14 +11,15 @@ What runs in this first cut, per step, and what does not (never claimed):
   (:mod:`detection.guard.sharded_hook`: names the rank), of the gradient shards each rank
   holds after it, and of the weights after the update; the algebra of the reduce-scatter
   (the shards' sum against the inputs', within a rounding bound), decided as the step ends;
-  every rank's view of the all-gathered parameters compared within its all-gather group;
+  every rank's view of the all-gathered parameters compared within its all-gather group; the
+  per-step statistics of each rank's own gradient (:mod:`detection.guard.sharded_stats`);
   the weight fingerprint at unsharded positions (:mod:`detection.weights.sharded`), the whole
   model's value on every rank, the value checkpoints carry; under HSDP the weight vote of
   each shard across its replicate group (:mod:`detection.weights.replicas`): three or more
   replicas name the rank, two say that they differ.
-* **off, said at start** — the ring audit (``audit_every`` must be 0), the per-step layer's
-  statistics (``step_checks``, ABFT), the optimizer-state vote, ``defer_decision``, fault
-  injection: each is refused when asked for explicitly. A reduce-scatter or all-gather of
+* **off, said at start** — the ring audit (``audit_every`` must be 0), ABFT, the
+  optimizer-state vote, ``skip_update_on_alarm``, ``defer_decision``, fault injection: each
+  is refused when asked for explicitly. A reduce-scatter or all-gather of
   one's own (``comm_hook=``, FSDP2's ``ReduceScatter`` / ``AllGather``, or one of each) is
   wrapped, as a DDP comm hook is.
   Under pure FSDP2 nothing compares a shard with another copy, so a wrong update or a flip in
@@ -32,6 +33,7 @@ all-gather a step, and every rank decides alike from the table.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import socket
 from collections.abc import Callable, Iterator, Sequence
@@ -40,7 +42,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from detection.audit.ring import seed_rng, step_seed
@@ -55,9 +56,10 @@ from detection.guard.config import (
 )
 from detection.guard.counters import GuardCounters
 from detection.guard.decision import any_nonfinite
-from detection.guard.sharded_decision import Row, ShardedDecision
+from detection.guard.sharded_decision import ROW_WORDS, Row, ShardedDecision, word_float
 from detection.guard.sharded_hook import CheckedAllGather, CheckedReduceScatter
-from detection.guard.sharding import ShardedLayout, adopt_sharded
+from detection.guard.sharded_stats import ShardedStats
+from detection.guard.sharding import ShardedLayout, adopt_sharded, refuse_unsupported, user_comms
 from detection.row.gather import all_gather_table
 from detection.transport.alarm import Alarm
 from detection.weights.fingerprint import Fingerprint, fingerprint_on_device, to_fingerprint
@@ -67,39 +69,6 @@ from detection.weights.sharded import local_parts
 __all__ = ["ShardedGuard"]
 
 _log = logging.getLogger(__name__)
-
-
-def _refuse_unsupported(config: GuardConfig, comm_hook: Any) -> None:
-    refused = {
-        "audit_every > 0 (the ring audit)": config.audit_every > 0,
-        "calibrate > 0": config.calibrate > 0,
-        "abft=True": config.abft is True,
-        "vote_optimizer_state=True": config.vote_optimizer_state,
-        "skip_update_on_alarm=True": config.skip_update_on_alarm,
-        "defer_decision=True": config.defer_decision,
-        "inject (fault injection)": bool(config.inject),
-        "comm_hook that is not an FSDP2 ReduceScatter, AllGather or one of each": comm_hook
-        is not None
-        and _comms(comm_hook) is None,
-    }
-    asked = [what for what, on in refused.items() if on]
-    if asked:
-        raise GuardConfigError(
-            "not available on an FSDP2/HSDP model in this version: "
-            + ", ".join(asked)
-            + " (docs/guide.md, 'Sharded models', lists what runs)"
-        )
-
-
-def _comms(hook: Any) -> tuple[ReduceScatter | None, AllGather | None] | None:
-    """A user's FSDP2 comms as (reduce-scatter, all-gather), or ``None`` if ``hook`` is not
-    one of them or a pair of one each."""
-    items = list(hook) if isinstance(hook, list | tuple) else [hook]
-    rs = [c for c in items if isinstance(c, ReduceScatter)]
-    ag = [c for c in items if isinstance(c, AllGather)]
-    if len(rs) > 1 or len(ag) > 1 or len(rs) + len(ag) != len(items) or not items:
-        return None
-    return (rs[0] if rs else None, ag[0] if ag else None)
 
 
 class ShardedGuard:
@@ -123,7 +92,7 @@ class ShardedGuard:
     ) -> None:
         del loss_fn, microbatch, comm_state  # what the ring audit would replay: not run here
         self.config = config or GuardConfig()
-        _refuse_unsupported(self.config, comm_hook)
+        refuse_unsupported(self.config, comm_hook)
         self.layout: ShardedLayout = adopt_sharded(model)
         self.model = model
         self.module = self.layout.module
@@ -148,8 +117,13 @@ class ShardedGuard:
         self.halted = False
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
+        self.stats = (
+            ShardedStats(self.world_size, self.config.stats, self.nodes)
+            if self.config.step_checks
+            else None
+        )
         self.decision = ShardedDecision(self.layout.replicas, self.nodes, self.layout.gatherers)
-        inner_rs, inner_ag = _comms(comm_hook) or (None, None)
+        inner_rs, inner_ag = user_comms(comm_hook) or (None, None)
         self.reduce_scatter = CheckedReduceScatter(self.device, inner=inner_rs)
         self.reduce_scatter.install(self.module)
         self.all_gather = CheckedAllGather(self.device, inner=inner_ag)
@@ -181,8 +155,9 @@ class ShardedGuard:
         return (
             "on: non-finite gradients before and after the reduce-scatter, its algebra, the "
             "all-gather's views compared, "
-            f"non-finite weights, fingerprint, {vote}; off: ring audit, per-step gradient "
-            "statistics, ABFT, optimizer-state vote"
+            "per-step gradient statistics (step_checks), "
+            f"non-finite weights, fingerprint, {vote}; off: ring audit, ABFT, "
+            "optimizer-state vote"
         )
 
     def _agree(self, identity: Identity | None) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
@@ -242,7 +217,11 @@ class ShardedGuard:
         current.loss = loss.detach()
         scaling = scaler is not None and scaler.is_enabled()
         current.scaled = current.scaled or scaling
-        (scaler.scale(loss) if scaler is not None and scaling else loss).backward()
+        scaled = loss
+        if scaler is not None and scaling:
+            scaled = scaler.scale(loss)  # creates the scale on its first call
+            current.scale = scaler._scale.detach().clone()  # type: ignore[union-attr]
+        scaled.backward()
         current.micro += 1
         if current.micro < self.micro_batches:
             seed_rng(
@@ -322,13 +301,21 @@ class ShardedGuard:
                 *mine,
             ]
         )
-        rows = [Row.read(r) for r in all_gather_table(row, self.group).tolist()]
+        row = torch.cat([row, self._statistics(current).view(torch.int64)])
+        table = all_gather_table(row, self.group).tolist()
+        rows = [Row.read(r[:ROW_WORDS]) for r in table]
         if any(r.step != current.step for r in rows):
             raise GuardUsageError(
                 f"ranks are at different steps: {[r.step for r in rows]}: pass every rank the "
                 "same step number to guard.step()"
             )
         outcome = self.decision.decide(current.step, rows)
+        if outcome.alarm is None and self.stats is not None:
+            floats = [[word_float(w) for w in r[ROW_WORDS:]] for r in table]
+            found = self.stats.decide(current.step, floats, learn=True)
+            self.counters.step_checks = self.stats.tested
+            if found is not None:
+                outcome = dataclasses.replace(outcome, alarm=found, vote_passed=False)
         self.last_outcome = outcome
         self.counters.steps += 1
         self.counters.nonfinite_checks += 1
@@ -337,6 +324,22 @@ class ShardedGuard:
             self._raise(outcome.alarm)
         if self.gate is not None:
             self.gate.observe(outcome)
+
+    def _statistics(self, current: _Step) -> torch.Tensor:
+        """This rank's loss, then its gradient's L2 norm and L∞ per reduce-scatter (float64,
+        divided by the GradScaler's scale on a scaled step)."""
+        loss = current.loss if current.loss is not None else torch.zeros(())
+        calls = self.reduce_scatter.stats
+        values = torch.cat(
+            [
+                loss.detach().to(device=self.device, dtype=torch.float64).reshape(1),
+                *(c[:1] for c in calls),
+                *(c[1:] for c in calls),
+            ]
+        )
+        if current.scale is not None and calls:
+            values[1:] /= current.scale.to(device=self.device, dtype=torch.float64)
+        return values
 
     def _raise(self, alarm: Alarm) -> None:
         self.alarms.append(alarm)
@@ -369,4 +372,5 @@ class _Step:
         self.loss: torch.Tensor | None = None
         self.scaled = False
         self.grad_nonfinite: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
         self.stepped: set[int] = set()

@@ -42,10 +42,13 @@ from detection.weights.fingerprint import Fingerprint, to_fingerprint
 from detection.weights.replicas import ReplicaGroups, replica_vote
 from detection.weights.vote import KnownDivergence
 
-__all__ = ["Row", "ShardedDecision"]
+__all__ = ["ROW_WORDS", "Row", "ShardedDecision", "word_float"]
+
+#: The words of :class:`Row`; a guard's row carries the per-step statistics after them.
+ROW_WORDS = 14
 
 
-def _float(word: int) -> float:
+def word_float(word: int) -> float:
     """A float64 sent as the int64 with its bits."""
     value: float = struct.unpack("<d", struct.pack("<q", word))[0]
     return value
@@ -109,9 +112,9 @@ class Row:
             scaled=bool(scaled),
             own_nonfinite=bool(own_nf),
             unchecked=unchecked,
-            reduced_in=_float(s_in),
-            margin=_float(bound),
-            reduced_out=_float(s_out),
+            reduced_in=word_float(s_in),
+            margin=word_float(bound),
+            reduced_out=word_float(s_out),
             gathered=to_fingerprint(ga, gb),
             part=to_fingerprint(a, b),
         )

@@ -24,6 +24,11 @@ went wrong is not visible from its ends). A
 ``PREMUL_SUM`` op (``set_gradient_divide_factor``) has a scale the comm cannot read: such a
 step is not checked, and the row says so.
 
+*Per-step statistics.* Each call also records the L2 norm and the L∞ of this rank's input
+(its own gradient of that FSDP module, before anything is mixed in), which the guard hands to
+the cross-rank and temporal tests of :mod:`detection.stepcheck.gradstats`, one "bucket" per
+reduce-scatter: a rank whose gradient stands out is named (``gradstats``, weaker evidence).
+
 A reduce-scatter of the user's own (``SDCGuard(comm_hook=...)``, a FSDP2 ``ReduceScatter``)
 is wrapped: the checks run around it.
 
@@ -58,6 +63,9 @@ class CheckedReduceScatter(ReduceScatter):
         self.inner = inner
         self.calls = 0
         self.unchecked = 0  # calls whose op's scale is unknown (PREMUL_SUM)
+        # Per call: this rank's gradient's L2 norm and L∞ (float64, on the device): the
+        # per-step statistics' columns, one "bucket" per reduce-scatter.
+        self.stats: list[torch.Tensor] = []
 
     def install(self, model: nn.Module) -> int:
         """Become the reduce-scatter of every FSDP2 module in ``model``; how many."""
@@ -71,6 +79,7 @@ class CheckedReduceScatter(ReduceScatter):
         self.sums.zero_()
         self.calls = 0
         self.unchecked = 0
+        self.stats = []
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
@@ -92,6 +101,9 @@ class CheckedReduceScatter(ReduceScatter):
         if floating:
             bad = (~torch.isfinite(input_tensor).all()).to(torch.int64)
             self.flag.bitwise_or_(bad.to(self.flag.device))
+            l2 = torch.linalg.vector_norm(input_tensor, 2, dtype=torch.float64)
+            peak = torch.linalg.vector_norm(input_tensor, float("inf"), dtype=torch.float64)
+            self.stats.append(torch.stack([l2, peak]).to(self.sums.device))
         scale = _scale(op, group)
         if floating and scale is not None:
             s_in = torch.sum(input_tensor, dtype=torch.float64)

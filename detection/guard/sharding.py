@@ -19,18 +19,20 @@ a fingerprint numbering or a vote this first cut does not have; see ``docs/guide
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from detection.guard.config import GuardConfigError
+from detection.guard.config import GuardConfig, GuardConfigError
 from detection.weights.replicas import ReplicaGroups
 
-__all__ = ["ShardedLayout", "adopt_sharded", "is_sharded"]
+__all__ = ["ShardedLayout", "adopt_sharded", "is_sharded", "refuse_unsupported", "user_comms"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +146,37 @@ def adopt_sharded(model: nn.Module) -> ShardedLayout:
         replicas=ReplicaGroups.of_mesh(rows),
         gatherers=ReplicaGroups(tuple(tuple(row) for row in rows)),
     )
+
+
+def refuse_unsupported(config: GuardConfig, comm_hook: Any) -> None:
+    """What a sharded model's guard does not run, refused when asked for (never ignored)."""
+    refused = {
+        "audit_every > 0 (the ring audit)": config.audit_every > 0,
+        "calibrate > 0": config.calibrate > 0,
+        "abft=True": config.abft is True,
+        "vote_optimizer_state=True": config.vote_optimizer_state,
+        "skip_update_on_alarm=True": config.skip_update_on_alarm,
+        "defer_decision=True": config.defer_decision,
+        "inject (fault injection)": bool(config.inject),
+        "comm_hook that is not an FSDP2 ReduceScatter, AllGather or one of each": comm_hook
+        is not None
+        and user_comms(comm_hook) is None,
+    }
+    asked = [what for what, on in refused.items() if on]
+    if asked:
+        raise GuardConfigError(
+            "not available on an FSDP2/HSDP model in this version: "
+            + ", ".join(asked)
+            + " (docs/guide.md, 'Sharded models', lists what runs)"
+        )
+
+
+def user_comms(hook: Any) -> tuple[ReduceScatter | None, AllGather | None] | None:
+    """A user's FSDP2 comms as (reduce-scatter, all-gather), or ``None`` if ``hook`` is not
+    one of them or a pair of one each."""
+    items = list(hook) if isinstance(hook, list | tuple) else [hook]
+    rs = [c for c in items if isinstance(c, ReduceScatter)]
+    ag = [c for c in items if isinstance(c, AllGather)]
+    if len(rs) > 1 or len(ag) > 1 or len(rs) + len(ag) != len(items) or not items:
+        return None
+    return (rs[0] if rs else None, ag[0] if ag else None)

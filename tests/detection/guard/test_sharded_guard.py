@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
 from detection.guard import GuardConfig, GuardConfigError, GuardHaltedError, SDCGuard
+from detection.stepcheck import StatsConfig
 from detection.weights.load_check import LoadVerificationError
 from detection.weights.sharded import sharded_fingerprint
 from tests.detection.conftest import run_ranks
@@ -169,7 +170,10 @@ def _train(
         comm = _FaultyReduceScatter(rank, target, 3 * FLIP_STEP)
     elif fault == "gathered":
         comm = _FaultyAllGather(rank, target)
-    guard = SDCGuard(model, optim, loss_fn=_loss, config=GuardConfig(seed=1), comm_hook=comm)
+    # the statistics speak after `warmup` clean steps: from step 2 on in the activation test
+    stats = StatsConfig(warmup=2) if fault == "activation" else StatsConfig()
+    config = GuardConfig(seed=1, stats=stats)
+    guard = SDCGuard(model, optim, loss_fn=_loss, config=config, comm_hook=comm)
     if fault == "weight":
         optim.register_step_post_hook(_flip_weight_on(rank, target))
     outcomes = []
@@ -181,6 +185,8 @@ def _train(
                 x, y = _batch(step, rank)
                 if fault == "nan" and step == FLIP_STEP and rank == target:
                     x[0, 0] = float("nan")
+                if fault == "activation" and step == FLIP_STEP and rank == target:
+                    x[0] *= 1e4  # a finite corruption upstream: this rank's gradient explodes
                 guard.backward(_loss(model, (x, y)))
                 optim.step()
                 optim.zero_grad()
@@ -224,6 +230,20 @@ def test_fsdp2_runs_the_tutorial_loop_clean_and_names_the_rank_of_a_nan_gradient
         assert alarm["suspect_ranks"] == [1]
         assert alarm["detail"]["ranks_holding_nonfinite_shards"] == [0, 1]
         assert r["wrong_replicas"] == []  # one copy: it holds what the guard recorded
+
+
+@pytest.mark.slow
+def test_a_rank_whose_gradient_stands_out_is_named_by_the_statistics() -> None:
+    """Rank 1's input is scaled up at step 3 (finite): its own gradient, seen before the
+    reduce-scatter, stands out against the other ranks' and its own history. Step 2, tested
+    after two clean steps learnt, is silent."""
+    results = run_ranks(_train, 4, (4,), "activation", 1, 5, timeout_s=120)
+    for r in results:
+        assert [o[2] for o in _clean_steps(r)] == [None] * FLIP_STEP
+        (alarm,) = r["alarms"]
+        assert (alarm["step"], alarm["layer"]) == (3, "gradstats")
+        assert alarm["suspect_ranks"] == [1]
+        assert "weaker" in alarm["detail"]["evidence"]
 
 
 @pytest.mark.slow
@@ -332,7 +352,9 @@ def _recipes(rank: int, world: int) -> dict[str, Any]:
         model = _sharded((world,), _CheckpointedNet if recipe == "checkpointing" else _Net)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         micro = 2 if recipe == "accumulation" else 1
-        guard = SDCGuard(model, optim, loss_fn=_loss, config=GuardConfig(micro_batches=micro))
+        # statistics tested from step 1 on: every recipe's clean steps go through them
+        config = GuardConfig(micro_batches=micro, stats=StatsConfig(warmup=1))
+        guard = SDCGuard(model, optim, loss_fn=_loss, config=config)
         scaled = recipe in ("scaler", "overflow")
         scale = 2.0**127 if recipe == "overflow" else 2.0**10
         scaler = torch.amp.GradScaler("cpu", init_scale=scale, enabled=scaled)
