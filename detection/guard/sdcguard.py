@@ -59,7 +59,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,8 @@ from detection.guard.decision import (
     step_row,
     step_row_on_host,
 )
+from detection.guard.sharded import ShardedGuard
+from detection.guard.sharding import is_sharded
 from detection.guard.trace_mode import TraceMode
 from detection.row.gather import GatherInFlight
 from detection.row.words import loss_word, on_host
@@ -160,7 +162,16 @@ class SDCGuard:
     — whatever the loop calls. ``optimizer``: one or several (every one that updates the model).
     ``comm_hook``/``comm_state``: a DDP communication hook of your own; the guard wraps it
     (register it here, not on the model: DDP accepts only one hook).
+
+    An FSDP2 or HSDP model (``fully_shard``) gets :class:`~detection.guard.sharded.ShardedGuard`
+    instead: the same loop API and arguments, the layers that apply to a sharded model.
     """
+
+    def __new__(cls, model: nn.Module, *args: Any, **kwargs: Any) -> SDCGuard:
+        if cls is SDCGuard and is_sharded(model):
+            # Not an SDCGuard, so Python calls no __init__ on it: built here, fully.
+            return cast("SDCGuard", ShardedGuard(model, *args, **kwargs))
+        return super().__new__(cls)
 
     def __init__(
         self,

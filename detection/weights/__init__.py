@@ -3,6 +3,8 @@
 * :mod:`~detection.weights.fingerprint` — the definition and proofs (a contract: checkpoints,
   the ledger and the report carry its values); :mod:`~detection.weights.fingerprint_kernels`
   computes it; :mod:`~detection.weights.plan` takes it every step for one fixed list;
+* :mod:`~detection.weights.sharded` — the same fingerprint of sharded weights (FSDP2, HSDP,
+  DTensor): each shard at its unsharded positions, one all-reduce of the parts;
 * :mod:`~detection.weights.vote` — a strict-majority verdict over one value per rank;
 * :mod:`~detection.weights.state` — the model's and optimizer's state as tensor lists;
 * :mod:`~detection.weights.load_check` — every replica holds the checkpoint's weights after load;
@@ -20,6 +22,11 @@ from detection.weights.fingerprint import (
 )
 from detection.weights.load_check import LoadVerificationError, verify_after_load
 from detection.weights.plan import FingerprintPlan
+from detection.weights.sharded import (
+    ShardLayoutError,
+    sharded_fingerprint,
+    sharded_fingerprint_on_device,
+)
 from detection.weights.state import model_state_tensors, optimizer_state_tensors, persistent_buffers
 from detection.weights.vote import KnownDivergence, VoteVerdict, majority_vote
 
@@ -28,6 +35,7 @@ __all__ = [
     "FingerprintPlan",
     "KnownDivergence",
     "LoadVerificationError",
+    "ShardLayoutError",
     "VoteVerdict",
     "fingerprint_from_tensor",
     "fingerprint_on_device",
@@ -35,6 +43,8 @@ __all__ = [
     "model_state_tensors",
     "optimizer_state_tensors",
     "persistent_buffers",
+    "sharded_fingerprint",
+    "sharded_fingerprint_on_device",
     "to_fingerprint",
     "verify_after_load",
     "weight_fingerprint",

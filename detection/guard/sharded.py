@@ -1,0 +1,376 @@
+"""``SDCGuard`` on a sharded model (FSDP2, HSDP): the same loop API, the layers that apply.
+
+``SDCGuard(model, optimizer, …)`` hands an FSDP2 / HSDP model (:mod:`detection.guard.sharding`)
+to :class:`ShardedGuard`; the loop is written as for DDP (``with guard.step(step)``,
+``guard.backward(loss)``, ``optimizer.step()``), with FSDP2's own accumulation switch
+(``model.set_requires_gradient_sync``) in place of ``ddp.no_sync()``.
+
+What runs in this first cut, per step, and what does not (never claimed):
+
+* **on** — the non-finite check of each rank's own gradient before FSDP2's reduce-scatter
+  (:mod:`detection.guard.sharded_hook`: names the rank), of the gradient shards each rank
+  holds after it, and of the weights after the update; the algebra of the reduce-scatter
+  (the shards' sum against the inputs', within a rounding bound), decided as the step ends;
+  every rank's view of the all-gathered parameters compared within its all-gather group; the
+  per-step statistics of each rank's own gradient (:mod:`detection.guard.sharded_stats`);
+  the weight fingerprint at unsharded positions (:mod:`detection.weights.sharded`), the whole
+  model's value on every rank, the value checkpoints carry; under HSDP the weight vote of
+  each shard across its replicate group (:mod:`detection.weights.replicas`): three or more
+  replicas name the rank, two say that they differ.
+* **off, said at start** — the ring audit (``audit_every`` must be 0), ABFT, the
+  optimizer-state vote, ``skip_update_on_alarm``, ``defer_decision``, fault injection: each
+  is refused when asked for explicitly. A reduce-scatter or all-gather of
+  one's own (``comm_hook=``, FSDP2's ``ReduceScatter`` / ``AllGather``, or one of each) is
+  wrapped, as a DDP comm hook is.
+  Under pure FSDP2 nothing compares a shard with another copy, so a wrong update or a flip in
+  a rank's stored weights is *not* detected (``docs/guide.md``), and no checkpoint is verified
+  by a vote there (:class:`~detection.gate.StepOutcome` ``vote_passed`` is false).
+
+Every rank's evidence travels as one int64 row — step, flags, its shard's fingerprint — in one
+all-gather a step, and every rank decides alike from the table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from detection.audit.ring import seed_rng, step_seed
+from detection.gate import CheckpointGate, StepOutcome
+from detection.guard.config import (
+    AlarmSink,
+    GuardConfig,
+    GuardConfigError,
+    GuardHaltedError,
+    GuardUsageError,
+    Identity,
+)
+from detection.guard.counters import GuardCounters
+from detection.guard.decision import any_nonfinite
+from detection.guard.sharded_decision import ROW_WORDS, Row, ShardedDecision, word_float
+from detection.guard.sharded_hook import CheckedAllGather, CheckedReduceScatter
+from detection.guard.sharded_stats import ShardedStats
+from detection.guard.sharding import ShardedLayout, adopt_sharded, refuse_unsupported, user_comms
+from detection.row.gather import all_gather_table
+from detection.transport.alarm import Alarm
+from detection.weights.fingerprint import Fingerprint, fingerprint_on_device, to_fingerprint
+from detection.weights.load_check import LoadVerificationError
+from detection.weights.sharded import local_parts
+
+__all__ = ["ShardedGuard"]
+
+_log = logging.getLogger(__name__)
+
+
+class ShardedGuard:
+    """Detection for one FSDP2 / HSDP model and its optimizers, in every rank; see the module.
+    Built by ``SDCGuard(model, …)`` for a sharded model, with the same arguments."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        *,
+        loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        microbatch: Callable[..., Any] | None = None,
+        config: GuardConfig | None = None,
+        identity: Identity | None = None,
+        sender: AlarmSink | None = None,
+        gate: CheckpointGate | None = None,
+        job_id: str = "local",
+        comm_hook: Any = None,
+        comm_state: Any = None,
+    ) -> None:
+        del loss_fn, microbatch, comm_state  # what the ring audit would replay: not run here
+        self.config = config or GuardConfig()
+        refuse_unsupported(self.config, comm_hook)
+        self.layout: ShardedLayout = adopt_sharded(model)
+        self.model = model
+        self.module = self.layout.module
+        self.params = self.layout.params
+        self.optimizers = (
+            [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        )
+        if not self.optimizers:
+            raise GuardConfigError("SDCGuard needs the optimizer(s) that update the model")
+        self.optimizer = self.optimizers[0]
+        self.group: dist.ProcessGroup | None = None  # the mesh spans the job (checked)
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = self.layout.device
+        self.micro_batches = self.config.micro_batches
+        self.sender, self.gate, self.job_id = sender, gate, job_id
+        self.trace_mode = None  # diagnostic runs trace DDP jobs only
+        self.node: str = identity.node if identity is not None else socket.gethostname()
+        self.nodes, identities = self._agree(identity)
+        self.alarms: list[Alarm] = []
+        self.counters = GuardCounters()
+        self.halted = False
+        self.last_outcome: StepOutcome | None = None
+        self._current: _Step | None = None
+        self.stats = (
+            ShardedStats(self.world_size, self.config.stats, self.nodes)
+            if self.config.step_checks
+            else None
+        )
+        self.decision = ShardedDecision(self.layout.replicas, self.nodes, self.layout.gatherers)
+        inner_rs, inner_ag = user_comms(comm_hook) or (None, None)
+        self.reduce_scatter = CheckedReduceScatter(self.device, inner=inner_rs)
+        self.reduce_scatter.install(self.module)
+        self.all_gather = CheckedAllGather(self.device, inner=inner_ag)
+        self.all_gather.install(self.module)
+        self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
+        self._handles = []
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._before_optimizer_step))
+            self._handles.append(opt.register_step_post_hook(self._after_optimizer_step))
+        if self.sender is not None and self.rank == 0:
+            self.sender.register_ranks(identities)
+        _log.info(
+            "sdcguard started on %s (mesh %s): %s",
+            "HSDP" if self.layout.hsdp else "FSDP2",
+            tuple(self.layout.mesh.shape),
+            self.coverage(),
+            extra=self._extra,
+        )
+
+    def coverage(self) -> str:
+        """What this guard checks and what it does not, in words (logged at start)."""
+        replicas = self.layout.replicas.replicas
+        if replicas >= 3:
+            vote = f"weight vote across {replicas} replicas of each shard (names the rank)"
+        elif replicas == 2:
+            vote = "weight vote across 2 replicas of each shard (detects, cannot name)"
+        else:
+            vote = "no weight vote (one copy of each shard: a wrong update is not detected)"
+        return (
+            "on: non-finite gradients before and after the reduce-scatter, its algebra, the "
+            "all-gather's views compared, "
+            "per-step gradient statistics (step_checks), "
+            f"non-finite weights, fingerprint, {vote}; off: ring audit, ABFT, "
+            "optimizer-state vote"
+        )
+
+    def _agree(self, identity: Identity | None) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
+        ident = (
+            dict(identity.to_dict())
+            if identity is not None
+            else {"rank": self.rank, "local_rank": self.rank, "node": self.node}
+        )
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, (self.node, repr(self.config), ident))
+        if len({c for _, c, _ in everyone}) > 1:
+            raise GuardConfigError("ranks were given different GuardConfig values")
+        return tuple(n for n, _, _ in everyone), [i for _, _, i in everyone]
+
+    # -- the training-loop API ---------------------------------------------------------------------
+    @property
+    def armed(self) -> bool:
+        return True  # no audit, nothing to calibrate
+
+    @property
+    def replaying(self) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Bracket one training step; on leaving, decide it (collective: all ranks)."""
+        if self.halted:
+            raise GuardHaltedError(f"the guard halted the job after an alarm; step {step} refused")
+        if self._current is not None:
+            raise GuardUsageError(
+                "guard.step() blocks do not nest: leave one step's block before the next begins"
+            )
+        self._current = _Step(step)
+        self.reduce_scatter.begin_step()
+        self.all_gather.begin_step()
+        seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
+        try:
+            yield
+            self._finish(self._current)
+        finally:
+            self._current = None
+
+    def backward(
+        self, loss: torch.Tensor, *, scaler: torch.amp.GradScaler | None = None, batch: Any = None
+    ) -> None:
+        """``loss.backward()`` — or ``scaler.scale(loss).backward()``; after the step's last
+        micro-batch, the non-finite check of the reduce-scattered gradient shards."""
+        del batch  # shipped to an auditor under DDP; no audit here
+        current = self._require_step("guard.backward()")
+        if current.micro >= self.micro_batches:
+            raise GuardUsageError(
+                f"guard.backward() called {current.micro + 1} times in step {current.step}, but "
+                f"GuardConfig(micro_batches={self.micro_batches}) allows {self.micro_batches}"
+            )
+        if loss.numel() != 1:
+            raise GuardUsageError("the loss must be a scalar: reduce it (e.g. .mean()) first")
+        current.loss = loss.detach()
+        scaling = scaler is not None and scaler.is_enabled()
+        current.scaled = current.scaled or scaling
+        scaled = loss
+        if scaler is not None and scaling:
+            scaled = scaler.scale(loss)  # creates the scale on its first call
+            current.scale = scaler._scale.detach().clone()  # type: ignore[union-attr]
+        scaled.backward()
+        current.micro += 1
+        if current.micro < self.micro_batches:
+            seed_rng(
+                step_seed(self.config.seed, current.step, self.rank, current.micro), self.device
+            )
+            return
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        current.grad_nonfinite = any_nonfinite(grads) if grads else None
+
+    def verify_loaded(self, expected: Fingerprint | str) -> Fingerprint:
+        """After loading a (resharded) checkpoint: every replica of the model (under FSDP2 the
+        one copy) holds the recorded fingerprint (collective; raises
+        :class:`LoadVerificationError` on every rank, naming the ranks of a wrong replica)."""
+        want = Fingerprint.from_hex(expected) if isinstance(expected, str) else expected
+        table = all_gather_table(self._part(), self.group).tolist()
+        found = self.layout.replicas.per_rank([to_fingerprint(a, b) for a, b in table])
+        if any(fp != want for fp in found.values()):
+            raise LoadVerificationError(want, found)
+        return want
+
+    def _part(self) -> torch.Tensor:
+        """This rank's shards' fingerprint at their unsharded positions (every copy)."""
+        parts = local_parts(self.params, every_copy=True)
+        if not parts.runs:
+            return torch.zeros(2, dtype=torch.int64, device=self.device)
+        return fingerprint_on_device(parts.runs, offsets=parts.offsets).to(self.device)
+
+    def flush(self) -> None:
+        """Nothing to decide: every step is decided when it ends (no ``defer_decision``)."""
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- hooks and the decision --------------------------------------------------------------------
+    def _require_step(self, what: str) -> _Step:
+        if self._current is None:
+            raise GuardUsageError(
+                f"{what} outside a guard.step() block: run the training step inside "
+                "`with guard.step(step):`"
+            )
+        return self._current
+
+    def _before_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
+        current = self._require_step("optimizer.step()")
+        if id(opt) in current.stepped:
+            raise GuardUsageError("optimizer.step() called twice in one guarded step")
+        if current.micro < self.micro_batches:
+            raise GuardUsageError(
+                f"optimizer.step() after {current.micro} of {self.micro_batches} backward "
+                "calls: step the optimizer once, after the step's last guard.backward()"
+            )
+
+    def _after_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
+        self._require_step("optimizer.step()").stepped.add(id(opt))
+
+    def _finish(self, current: _Step) -> None:
+        if current.micro < self.micro_batches or current.loss is None:
+            raise GuardUsageError(
+                f"step {current.step} ran {current.micro} of {self.micro_batches} backward "
+                "calls through guard.backward()"
+            )
+        mine = self._part()
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)
+        row = torch.stack(
+            [
+                torch.tensor(current.step, dtype=torch.int64, device=self.device),
+                current.grad_nonfinite if current.grad_nonfinite is not None else zero,
+                any_nonfinite([_local(p) for p in self.params]),
+                torch.tensor(int(bool(current.stepped)), dtype=torch.int64, device=self.device),
+                torch.tensor(int(current.scaled), dtype=torch.int64, device=self.device),
+                self.reduce_scatter.flag,
+                torch.tensor(self.reduce_scatter.unchecked, dtype=torch.int64, device=self.device),
+                *self.reduce_scatter.sums.view(torch.int64),
+                *self.all_gather.view,
+                *mine,
+            ]
+        )
+        row = torch.cat([row, self._statistics(current).view(torch.int64)])
+        table = all_gather_table(row, self.group).tolist()
+        rows = [Row.read(r[:ROW_WORDS]) for r in table]
+        if any(r.step != current.step for r in rows):
+            raise GuardUsageError(
+                f"ranks are at different steps: {[r.step for r in rows]}: pass every rank the "
+                "same step number to guard.step()"
+            )
+        outcome = self.decision.decide(current.step, rows)
+        if outcome.alarm is None and self.stats is not None:
+            floats = [[word_float(w) for w in r[ROW_WORDS:]] for r in table]
+            found = self.stats.decide(current.step, floats, learn=True)
+            self.counters.step_checks = self.stats.tested
+            if found is not None:
+                outcome = dataclasses.replace(outcome, alarm=found, vote_passed=False)
+        self.last_outcome = outcome
+        self.counters.steps += 1
+        self.counters.nonfinite_checks += 1
+        self.counters.votes += int(self.layout.replicas.voting)
+        if outcome.alarm is not None:
+            self._raise(outcome.alarm)
+        if self.gate is not None:
+            self.gate.observe(outcome)
+
+    def _statistics(self, current: _Step) -> torch.Tensor:
+        """This rank's loss, then its gradient's L2 norm and L∞ per reduce-scatter (float64,
+        divided by the GradScaler's scale on a scaled step)."""
+        loss = current.loss if current.loss is not None else torch.zeros(())
+        calls = self.reduce_scatter.stats
+        values = torch.cat(
+            [
+                loss.detach().to(device=self.device, dtype=torch.float64).reshape(1),
+                *(c[:1] for c in calls),
+                *(c[1:] for c in calls),
+            ]
+        )
+        if current.scale is not None and calls:
+            values[1:] /= current.scale.to(device=self.device, dtype=torch.float64)
+        return values
+
+    def _raise(self, alarm: Alarm) -> None:
+        self.alarms.append(alarm)
+        self.counters.alarms += 1
+        if alarm.reporting_rank(self.world_size) == self.rank:
+            _log.error(
+                "SDC alarm: %s/%s at step %d, suspects %s",
+                alarm.layer,
+                alarm.phase,
+                alarm.step,
+                list(alarm.suspect_ranks),
+                extra={**self._extra, "step": alarm.step},
+            )
+            if self.sender is not None:
+                self.sender.send_alarm(alarm.to_webhook(self.job_id, self.rank, self.node))
+        if self.config.halt_on_alarm:
+            self.halted = True
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _Step:
+    """One guarded step in progress."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.micro = 0
+        self.loss: torch.Tensor | None = None
+        self.scaled = False
+        self.grad_nonfinite: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.stepped: set[int] = set()
