@@ -60,6 +60,7 @@ from detection.guard.sharded_decision import ROW_WORDS, Row, ShardedDecision, wo
 from detection.guard.sharded_hook import CheckedAllGather, CheckedReduceScatter
 from detection.guard.sharded_stats import ShardedStats
 from detection.guard.sharding import ShardedLayout, adopt_sharded, refuse_unsupported, user_comms
+from detection.guard.trace_mode import TraceMode
 from detection.row.gather import all_gather_table
 from detection.transport.alarm import Alarm
 from detection.weights.fingerprint import Fingerprint, fingerprint_on_device, to_fingerprint
@@ -109,7 +110,14 @@ class ShardedGuard:
         self.device = self.layout.device
         self.micro_batches = self.config.micro_batches
         self.sender, self.gate, self.job_id = sender, gate, job_id
-        self.trace_mode = None  # diagnostic runs trace DDP jobs only
+        if TraceMode.from_env(self.rank) is not None:
+            # a diagnostic run must send no alarm and record no checkpoint: refuse, never run
+            # as a normal job inside one
+            raise GuardConfigError(
+                "a diagnostic run's trace mode (SDCGUARD_REPLAY_*) traces DDP jobs only: "
+                "the sharded guard does not run inside one"
+            )
+        self.trace_mode = None
         self.node: str = identity.node if identity is not None else socket.gethostname()
         self.nodes, identities = self._agree(identity)
         self.alarms: list[Alarm] = []
@@ -253,6 +261,8 @@ class ShardedGuard:
         """Nothing to decide: every step is decided when it ends (no ``defer_decision``)."""
 
     def close(self) -> None:
+        """Remove the optimizer hooks. FSDP2 cannot restore its default comms: the checked
+        ones stay installed and keep working, their flags read by nobody."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

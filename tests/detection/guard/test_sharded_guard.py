@@ -5,6 +5,7 @@ support is refused at construction, saying so."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch.distributed.tensor import Shard
 from torch.utils.checkpoint import checkpoint
 
 from detection.guard import GuardConfig, GuardConfigError, GuardHaltedError, SDCGuard
+from detection.guard.trace_mode import REPLAY_END_ENV
 from detection.stepcheck import StatsConfig
 from detection.weights.load_check import LoadVerificationError
 from detection.weights.sharded import sharded_fingerprint
@@ -329,6 +331,11 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         return model
 
     refused("root-not-sharded", blocks_only)
+    os.environ[REPLAY_END_ENV] = "3"  # inside a diagnostic run
+    try:
+        refused("trace-mode", lambda: _sharded((world,)))
+    finally:
+        del os.environ[REPLAY_END_ENV]
     dist.barrier()
     return out
 
@@ -341,6 +348,7 @@ def test_what_the_sharded_guard_does_not_run_is_refused_with_the_reason() -> Non
     assert "FSDP1" in out["fsdp1"]
     assert "Shard(d > 0)" in out["shard-dim-1"]
     assert "root is not fully_shard-ed" in out["root-not-sharded"]
+    assert "trace mode" in out["trace-mode"]
 
 
 def _recipes(rank: int, world: int) -> dict[str, Any]:
