@@ -167,6 +167,8 @@ def test_evidence_shows_what_an_approver_needs() -> None:
             alarm_count=1,
             nodes_to_fix=["node-2"],
             action="replace",
+            remediation="kubernetes",
+            remediation_effect="the node is drained and deleted; the autoscaler replaces it",
         )
     )
     for part in (
@@ -177,7 +179,7 @@ def test_evidence_shows_what_an_approver_needs() -> None:
         "**healthy**",
         "not collected: x/y",
         "steps 30..37",
-        "Replace `node-2`",
+        "**Remediation backend: `kubernetes`.** Replace `node-2`: the node is drained",
         "no storm",
         "auto-approval is off",
     ):

@@ -142,6 +142,10 @@ class Evidence:
     nodes_to_fix: Sequence[str]
     action: str
     """``replace`` or ``reboot``: what approving does to ``nodes_to_fix``."""
+    remediation: str
+    """Which backend acts (``hyperpod``, ``kubernetes``, ``nvsentinel``, ``isolate``)."""
+    remediation_effect: str
+    """What that backend does to the node, in one sentence (``Remediation.describe``)."""
 
 
 def artifact_key(incident_id: str, what: str) -> str:
@@ -218,9 +222,9 @@ def evidence_markdown(evidence: Evidence) -> str:
         f"Checkpoints in steps {start}..{end} are quarantined; {rollback}.",
         "",
         "## What approving does",
-        f"{evidence.action.capitalize()} "
+        f"**Remediation backend: `{evidence.remediation}`.** {evidence.action.capitalize()} "
         + (", ".join(f"`{n}`" for n in evidence.nodes_to_fix) or "no node")
-        + " through SageMaker HyperPod, then resume training on the new node set.",
+        + f": {evidence.remediation_effect}.",
         "",
         "## Guards",
         f"- Storm guard: {evidence.storm.reason}",
