@@ -28,6 +28,7 @@ class IsolateRemediation:
     """:class:`~recovery.remediation.Remediation` that isolates and hands over to a human."""
 
     kind = RemediationKind.ISOLATE
+    releases_on_resolve = False
 
     def __init__(self, nodes: NodeOps) -> None:
         self._nodes = nodes

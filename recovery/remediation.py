@@ -88,6 +88,11 @@ class Remediation(Protocol):
     @property
     def kind(self) -> RemediationKind: ...
 
+    @property
+    def releases_on_resolve(self) -> bool:
+        """Whether :meth:`release` has anything to remove when the incident resolves."""
+        ...
+
     def describe(self, verb: RemediationVerb) -> str:
         """One sentence for the approval form: who acts on the node and what happens to it."""
         ...

@@ -207,7 +207,8 @@ def fix_and_resume(
             handed = run(hand_over)
             return f"handed to a human: {handed['outcome']}"
         run(resume_training)
-        run(release_remediations)
+        if current_backends().remediator().releases_on_resolve:
+            run(release_remediations)  # e.g. NVSentinel's ExternalFault
     return RESUMED
 
 

@@ -4,7 +4,9 @@ The
 choice between the local backends (a simulated cluster, AWS mocked by moto) and the real ones
 (Kubernetes, SageMaker HyperPod, S3) is made here, once, by ``SDCGUARD_RECOVERY_MODE`` — never
 by a flag threaded through calls. ``local`` is the default: a missing setting must not reach a
-real cluster.
+real cluster. Who remediates an approved node is chosen here too, per cluster, by
+``SDCGUARD_RECOVERY_REMEDIATION`` (``hyperpod`` by default: nothing an operator relied on
+changes); each backend has a local counterpart on the simulated cluster.
 """
 
 from __future__ import annotations

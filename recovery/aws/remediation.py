@@ -41,6 +41,7 @@ class HyperPodRemediation:
     """:class:`~recovery.remediation.Remediation` through SageMaker HyperPod."""
 
     kind = RemediationKind.HYPERPOD
+    releases_on_resolve = False
 
     def __init__(self, hyperpod: HyperPod, nodes: NodeOps, directory: NodeDirectory) -> None:
         self._hyperpod = hyperpod

@@ -151,6 +151,7 @@ class KubeReplaceRemediation:
     """
 
     kind = RemediationKind.KUBERNETES
+    releases_on_resolve = False
 
     def __init__(
         self,
@@ -283,6 +284,7 @@ class NVSentinelRemediation:
     """
 
     kind = RemediationKind.NVSENTINEL
+    releases_on_resolve = True
 
     def __init__(
         self,

@@ -35,6 +35,7 @@ class LocalReplaceRemediation:
     """``kubernetes`` on the simulated cluster: the node leaves, a new one joins."""
 
     kind = RemediationKind.KUBERNETES
+    releases_on_resolve = False
 
     def __init__(self, cluster: LocalCluster) -> None:
         self._cluster = cluster
@@ -83,6 +84,7 @@ class LocalFaultRemediation:
     """``nvsentinel`` on the simulated cluster: a fault record, remediated in place at once."""
 
     kind = RemediationKind.NVSENTINEL
+    releases_on_resolve = True
 
     def __init__(self, cluster: LocalCluster) -> None:
         self._cluster = cluster
