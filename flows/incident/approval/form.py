@@ -230,7 +230,7 @@ def evidence_markdown(evidence: Evidence) -> str:
         f"- Storm guard: {evidence.storm.reason}",
         f"- Auto-approval: {evidence.auto_approval}",
         "",
-        "Approve to replace or reboot the node and resume training; reject to leave it. "
+        "Approve to let the remediation above act on the node; reject to leave it. "
         "No answer before the timeout expires the incident: the node stays cordoned.",
     ]
     return "\n".join(lines)
