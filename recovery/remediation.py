@@ -10,7 +10,7 @@ remediation. The backends (:class:`RemediationKind`):
 - ``kubernetes`` — drain (PodDisruptionBudgets honoured), delete the Node, and wait for the
   cluster's autoscaler to bring a new node (:mod:`recovery.kube.remediation`);
 - ``nvsentinel`` — an NVIDIA NVSentinel ``ExternalFault`` for the node, followed to completion
-  and deleted when the incident resolves (:mod:`recovery.kube.remediation`);
+  and deleted when the incident resolves (:mod:`recovery.kube.nvsentinel`);
 - ``isolate`` — the node stays cordoned, tainted and labelled for forensics; nothing is
   replaced and a human takes over (:mod:`recovery.isolation`, any :class:`NodeOps`).
 

@@ -45,7 +45,8 @@ from recovery.kube.client import make_api_client
 from recovery.kube.diagnosis import KubeRerunner
 from recovery.kube.jobs import KubeJobFinder, KubeJobs
 from recovery.kube.nodes import KubeNodeDirectory, KubeNodeOps
-from recovery.kube.remediation import KubeReplaceRemediation, NVSentinelRemediation
+from recovery.kube.nvsentinel import NVSentinelRemediation
+from recovery.kube.remediation import KubeReplaceRemediation
 from recovery.local import LocalJobControl
 from recovery.local.catalog import LocalJobCatalog
 from recovery.local.cluster import LocalCluster

@@ -19,7 +19,8 @@ from kubernetes import client as k8s
 from recovery.isolation import IsolateRemediation
 from recovery.kube.client import api_client_for_host
 from recovery.kube.nodes import KubeNodeOps
-from recovery.kube.remediation import KubeReplaceRemediation, NVSentinelRemediation
+from recovery.kube.nvsentinel import NVSentinelRemediation
+from recovery.kube.remediation import KubeReplaceRemediation
 from recovery.remediation import Remediation, RemediationVerb
 from tests.deploy.overlays import DEPLOY, render
 from tests.deploy.rbac import denied, rules_of, used

@@ -26,7 +26,8 @@ from recovery.isolation import IsolateRemediation
 from recovery.jobs import JobKind, JobRef
 from recovery.kube.client import api_client_for_host
 from recovery.kube.nodes import KubeNodeDirectory, KubeNodeOps
-from recovery.kube.remediation import KubeReplaceRemediation, NVSentinelRemediation
+from recovery.kube.nvsentinel import NVSentinelRemediation
+from recovery.kube.remediation import KubeReplaceRemediation
 from recovery.local.remediation import (
     ANNOTATION_EXTERNAL_FAULT,
     LocalFaultRemediation,

@@ -23,7 +23,8 @@ from recovery.isolation import IsolateRemediation
 from recovery.jobs import JobKind
 from recovery.kube.client import api_client_for_host
 from recovery.kube.nodes import KubeNodeDirectory, KubeNodeOps
-from recovery.kube.remediation import KubeReplaceRemediation, NVSentinelRemediation
+from recovery.kube.nvsentinel import NVSentinelRemediation
+from recovery.kube.remediation import KubeReplaceRemediation
 from recovery.local import LocalJobControl
 from recovery.local.catalog import LocalJobCatalog
 from recovery.local.cluster import LocalCluster

@@ -16,7 +16,8 @@ from kubernetes import client as k8s
 
 from recovery.errors import PermanentError, TemporaryError
 from recovery.kube.nodes import KubeNodeOps
-from recovery.kube.remediation import KubeReplaceRemediation, NVSentinelRemediation
+from recovery.kube.nvsentinel import NVSentinelRemediation
+from recovery.kube.remediation import KubeReplaceRemediation
 from recovery.remediation import RemediationOutcome, RemediationVerb, UnsupportedRemediation
 from tests.recovery.fake_kube import FakeKube
 from tests.recovery.fake_remediators import EXTERNAL_FAULT_PREFIX, FakeAutoscaler, FakeNVSentinel
