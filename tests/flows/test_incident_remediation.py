@@ -21,6 +21,7 @@ import pytest
 from kubernetes import client as k8s
 
 from db import ActionStatus, IncidentState, Ledger
+from flows.incident.approval.form import artifact_key
 from flows.incident.stages.handover import HAND_OVER_EVIDENCE
 from recovery.isolation import IsolateRemediation
 from recovery.jobs import JobKind, JobRef
@@ -35,7 +36,19 @@ from recovery.local.remediation import (
 )
 from recovery.nodes import ANNOTATION_CORDONED_BY, LABEL_ISOLATED, TAINT_KEY
 from recovery.remediation import Remediation
-from tests.flows.test_incident import AUTO, FAULTY, JOB, NODES, SPARES, Crash, Site, build_site
+from tests.flows.test_incident import (
+    APPROVE,
+    AUTO,
+    FAULTY,
+    JOB,
+    NODES,
+    SPARES,
+    Approver,
+    Crash,
+    Site,
+    _artifact,
+    build_site,
+)
 from tests.recovery.fake_kube import FakeKube
 from tests.recovery.fake_remediators import EXTERNAL_FAULT_PREFIX, FakeAutoscaler, FakeNVSentinel
 
@@ -152,10 +165,15 @@ def test_nvsentinel_fault_is_followed_node_restored_and_fault_deleted_on_resolve
     sentinel = FakeNVSentinel(kube_site.fake)
     kube_site.wire(lambda c, n: NVSentinelRemediation(c, poll_s=0.01, sleep=_no_sleep))
 
-    summary = kube_site.site.run(AUTO)
+    with Approver(kube_site.site.incident_id, APPROVE) as approver:  # a human, in the form
+        summary = kube_site.site.run()
+    assert approver.error is None
 
     incident = kube_site.site.incident()
     assert incident.state is IncidentState.RESOLVED, incident.reason
+    evidence = _artifact(artifact_key(kube_site.site.incident_id, "evidence"))
+    assert "**Remediation backend: `nvsentinel`.** Replace `node-2`" in evidence
+    assert "NVSentinel ExternalFault (REPLACE_VM)" in evidence
     assert summary["replaced"] == []
     assert len(sentinel.created) == 1
     assert kube_site.fake.list_objects(EXTERNAL_FAULT_PREFIX, "externalfaults") == []
