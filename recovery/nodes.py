@@ -39,10 +39,12 @@ __all__ = [
     "ANNOTATION_CORDONED_BY",
     "ANNOTATION_CORDON_REASON",
     "ANNOTATION_HEALTH_REQUESTED_BY",
+    "ANNOTATION_ISOLATION_NOTE",
     "DEFAULT_CORDON_REASON",
     "HEALTH_LABEL",
     "HYPERPOD_NODE_PREFIX",
     "LABEL_INCIDENT",
+    "LABEL_ISOLATED",
     "TAINT_EFFECT",
     "TAINT_KEY",
     "BlockedPod",
@@ -64,6 +66,9 @@ ANNOTATION_CORDON_REASON = "sdcguard.io/cordon-reason"
 ANNOTATION_CORDONED_AT = "sdcguard.io/cordoned-at"
 ANNOTATION_HEALTH_REQUESTED_BY = "sdcguard.io/node-health-requested-by"
 LABEL_INCIDENT = "sdcguard.io/incident"
+LABEL_ISOLATED = "sdcguard.io/isolated"
+"""Names the incident that keeps the node out of service for investigation (``isolate``)."""
+ANNOTATION_ISOLATION_NOTE = "sdcguard.io/isolation-note"
 TAINT_KEY = "sdcguard.io/suspect"
 TAINT_EFFECT = "NoSchedule"
 HEALTH_LABEL = "sagemaker.amazonaws.com/node-health-status"
@@ -188,6 +193,12 @@ class NodeOps(Protocol):
         replacement is never downgraded to a reboot."""
         ...
 
+    def isolate(self, node: str, incident_id: str, note: str) -> bool:
+        """Keep the node out of service for investigation: our cordon and taint where absent,
+        plus the label ``sdcguard.io/isolated=<incident>`` and ``note``; True if newly set.
+        :meth:`uncordon` of the same incident takes all of it off again."""
+        ...
+
     def evict_pods(self, node: str, label_selector: str | None = None) -> EvictionResult: ...
 
 
@@ -278,8 +289,11 @@ def _plan_uncordon(info: NodeInfo, incident_id: str) -> tuple[NodeChange, bool]:
             ANNOTATION_CORDON_REASON: None,
             ANNOTATION_CORDONED_AT: None,
         }
-    if info.labels.get(LABEL_INCIDENT) == incident_id:
-        change.labels[LABEL_INCIDENT] = None
+    for label in (LABEL_INCIDENT, LABEL_ISOLATED):
+        if info.labels.get(label) == incident_id:
+            change.labels[label] = None
+    if info.labels.get(LABEL_ISOLATED) == incident_id:
+        change.annotations[ANNOTATION_ISOLATION_NOTE] = None
     kept = tuple(t for t in info.taints if not (t.key == TAINT_KEY and t.value == incident_id))
     if len(kept) != len(info.taints):
         change.taints = kept
@@ -287,6 +301,21 @@ def _plan_uncordon(info: NodeInfo, incident_id: str) -> tuple[NodeChange, bool]:
     if uncordoned:
         change.unschedulable = False
     return change, uncordoned
+
+
+def _plan_isolate(
+    info: NodeInfo, incident_id: str, note: str, reason: str, now: str
+) -> tuple[NodeChange, bool]:
+    # Cordon and taint as the cordon stage would (ownership rules included), then the label
+    # that tells a human why the node is out of service and who put it there.
+    change, _ = _plan_cordon(info, incident_id, reason, now)
+    tainted, _ = _plan_taint(info, incident_id)
+    change.taints = tainted.taints
+    if info.labels.get(LABEL_ISOLATED) == incident_id:
+        return change, False
+    change.labels[LABEL_ISOLATED] = incident_id
+    change.annotations[ANNOTATION_ISOLATION_NOTE] = note
+    return change, True
 
 
 def _plan_health(info: NodeInfo, incident_id: str, wanted: NodeHealth) -> tuple[NodeChange, bool]:
@@ -325,6 +354,15 @@ class PlannedNodeOps(abc.ABC):
 
     def uncordon(self, node: str, incident_id: str) -> bool:
         return self._do(node, "uncordon", incident_id, lambda i: _plan_uncordon(i, incident_id))
+
+    def isolate(self, node: str, incident_id: str, note: str) -> bool:
+        reason = self._cordon_reason
+        return self._do(
+            node,
+            "isolate",
+            incident_id,
+            lambda i: _plan_isolate(i, incident_id, note, reason, _now()),
+        )
 
     def mark_for_replacement(self, node: str, incident_id: str) -> bool:
         return self._do(

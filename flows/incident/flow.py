@@ -32,8 +32,10 @@ from flows.incident.stages import (
     cordon_suspects,
     diagnostic_rerun,
     fix_nodes,
+    hand_over,
     quarantine_suspect_checkpoints,
     release_nodes,
+    release_remediations,
     resume_training,
     seek_approval,
     stop_training,
@@ -81,12 +83,15 @@ def incident_response(
     6. Approval: a human in the Prefect UI form (or the policy, on the strongest evidence).
        Reject → ``rejected`` (uncordon if asked); no answer in time → ``expired`` (stays
        cordoned, nothing replaced).
-    7. Replace the approved nodes through HyperPod (or reboot them) — from here to the resume,
-       one incident at a time fleet-wide (:mod:`flows.incident.coordination`). Just before, the
-       storm guard runs again: if later alarms make it a storm, the policy's own approval is
-       withdrawn and a human decides.
+    7. Remediate the approved nodes through the cluster's remediation (HyperPod replace or
+       reboot, the autoscaler's replacement, NVSentinel, or isolation) — from here to the
+       resume, one incident at a time fleet-wide (:mod:`flows.incident.coordination`). Just
+       before, the storm guard runs again: if later alarms make it a storm, the policy's own
+       approval is withdrawn and a human decides.
     8. Quarantine the checkpoints of the suspect range once more (late arrivals included).
-    9. Resume from the newest verified checkpoint before the range, sha256 checked in storage.
+    9. Resume from the newest verified checkpoint before the range, sha256 checked in storage,
+       and remove what the remediation left for the incident (an NVSentinel ExternalFault).
+       An isolated node is not replaced: training stays stopped and a human takes over.
     10. Resolved. The incident report is published as an artifact and returned as a dict.
 
     ``retry``: a ``failed`` or ``expired`` incident is reopened first and continued (the
@@ -123,15 +128,14 @@ def incident_response(
         run(diagnostic_rerun)
         poll_s = FlowSettings().approval_poll_s
         decision = seek_approval(incident_id, policy, poll_interval_s=poll_s)
-        if decision.approved and not fix_and_resume(incident_id, policy, decision, run):
+        outcome = fix_and_resume(incident_id, policy, decision, run) if decision.approved else None
+        if decision.approved and outcome is None:
             # the storm guard, run again before the fix, withdrew the policy's approval
             decision = seek_approval(incident_id, policy, poll_interval_s=poll_s)
             if decision.approved:
-                fix_and_resume(incident_id, policy, decision, run)
+                outcome = fix_and_resume(incident_id, policy, decision, run)
         if decision.approved:
-            close(
-                incident_id, IncidentState.RESOLVED, "training resumed from a verified checkpoint"
-            )
+            close(incident_id, IncidentState.RESOLVED, outcome or RESUMED)
         elif decision.rejected:
             if decision.uncordon_on_reject:
                 run(release_nodes)
@@ -179,24 +183,33 @@ def incident_response(
     return publish_report(incident_id)
 
 
+RESUMED = "training resumed from a verified checkpoint"
+
+
 def fix_and_resume(
     incident_id: str,
     policy: IncidentPolicy,
     decision: Decision,
     run: Callable[[StageTask], dict[str, Any]],
-) -> bool:
+) -> str | None:
     """Steps 7-9 — the only stages that wait for other incidents: one fleet change at a time.
 
     First, inside the slot, the storm guard runs again with the alarms known now: an automatic
-    approval it trips is withdrawn (False: nothing was done, a human must decide).
+    approval it trips is withdrawn (None: nothing was done, a human must decide). Otherwise
+    the reason the incident resolves with.
     """
     with destructive_slot(incident_id):
         if withdraw_automatic(incident_id, policy, decision):
-            return False
-        run(fix_nodes)
+            return None
+        fixed = run(fix_nodes)
         run(quarantine_suspect_checkpoints)
+        if fixed.get("isolated"):
+            handed = run(hand_over)
+            return f"handed to a human: {handed['outcome']}"
         run(resume_training)
-    return True
+        if current_backends().remediator().releases_on_resolve:
+            run(release_remediations)  # e.g. NVSentinel's ExternalFault
+    return RESUMED
 
 
 def _run_name() -> str:

@@ -41,6 +41,7 @@ class NeedsHuman(StrEnum):
     CULPRIT_UNKNOWN = "culprit-unknown"
     FAILED = "failed"
     EXPIRED = "expired"
+    ISOLATED = "isolated"
 
 
 def ensure_notification_automation(settings: NotifySettings | None = None) -> bool:

@@ -92,6 +92,9 @@ def incident_summary(incident: IncidentView) -> dict[str, Any]:
         "approval": approval,
         "replaced": list(replace.get("replaced", [])),
         "rebooted": list(replace.get("rebooted", [])),
+        "remediation": replace.get("remediation"),
+        "restored": list(replace.get("restored", [])),
+        "isolated": list(replace.get("isolated", [])),
         "resumed_from_step": resume.get("checkpoint_step"),
         "resumed_checkpoint": resume.get("checkpoint_uri"),
         "resumed_nodes": resume.get("nodes"),
@@ -177,6 +180,10 @@ def report_markdown(incident: IncidentView) -> str:
         )
     for item in summary["rebooted"]:
         lines.append(f"- Rebooted `{item.get('node')}` ({item.get('instance_id')})")
+    for node in summary["restored"]:
+        lines.append(f"- Remediated `{node}` in place ({summary['remediation']})")
+    for node in summary["isolated"]:
+        lines.append(f"- Isolated `{node}` for investigation; handed to a human, not resumed")
     for item in summary["corrupt_checkpoints"]:
         lines.append(f"- Checkpoint at step {item.get('step')} failed its sha256: marked corrupt")
     if summary["resumed_from_step"] is not None:

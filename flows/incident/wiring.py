@@ -31,24 +31,30 @@ from flows.settings import (
     load_settings,
 )
 from recovery.aws.hyperpod import HyperPod
+from recovery.aws.remediation import HyperPodRemediation
 from recovery.checkpoints.s3 import S3CheckpointStore
 from recovery.checkpoints.store import CheckpointStore, FileCheckpointStore
 from recovery.checkpoints.uris import UriCheckpointStore
 from recovery.diagnosis.plan import JobCatalog
 from recovery.diagnosis.rerun import Rerunner
 from recovery.errors import PermanentError
+from recovery.isolation import IsolateRemediation
 from recovery.jobs import JobControl
 from recovery.kube.catalog import KubeJobCatalog
 from recovery.kube.client import make_api_client
 from recovery.kube.diagnosis import KubeRerunner
 from recovery.kube.jobs import KubeJobFinder, KubeJobs
 from recovery.kube.nodes import KubeNodeDirectory, KubeNodeOps
+from recovery.kube.nvsentinel import NVSentinelRemediation
+from recovery.kube.remediation import KubeReplaceRemediation
 from recovery.local import LocalJobControl
 from recovery.local.catalog import LocalJobCatalog
 from recovery.local.cluster import LocalCluster
 from recovery.local.diagnosis import LocalRerunner
 from recovery.local.nodes import LocalNodeDirectory, LocalNodeOps
+from recovery.local.remediation import LocalFaultRemediation, LocalReplaceRemediation
 from recovery.nodes import NodeDirectory, NodeOps
+from recovery.remediation import Remediation, RemediationKind
 from recovery.telemetry import (
     FixtureTelemetry,
     KubeTelemetry,
@@ -83,6 +89,14 @@ class Backends:
     """One line for logs and reports: which cluster and account these backends touch."""
     policy_limits: PolicySettings = field(default_factory=lambda: load_settings(PolicySettings))
     """The server's bounds on every run's policy (``SDCGUARD_POLICY_…`` of this process)."""
+    remediation: Remediation | None = None
+    """Who remediates an approved node; None: SageMaker HyperPod (``hyperpod``, the default)."""
+
+    def remediator(self) -> Remediation:
+        """The remediation backend: the one wired, else HyperPod over these backends."""
+        if self.remediation is not None:
+            return self.remediation
+        return HyperPodRemediation(self.hyperpod, self.nodes, self.directory)
 
 
 def build_backends(
@@ -113,6 +127,12 @@ def build_backends(
                 "local mode never talks to real AWS",
             )
         cluster = LocalCluster(recovery.cluster_state_path())
+        local_nodes = LocalNodeOps(cluster)
+        local_remediations: dict[RemediationKind, Remediation] = {
+            RemediationKind.KUBERNETES: LocalReplaceRemediation(cluster),
+            RemediationKind.NVSENTINEL: LocalFaultRemediation(cluster),
+            RemediationKind.ISOLATE: IsolateRemediation(local_nodes),
+        }
         hyperpod = HyperPod.from_settings(
             aws.hyperpod_cluster,
             aws.region,
@@ -122,7 +142,7 @@ def build_backends(
         )
         return Backends(
             ledger=ledger,
-            nodes=LocalNodeOps(cluster),
+            nodes=local_nodes,
             jobs=LocalJobControl(recovery.jobs_dir()),
             telemetry=FixtureTelemetry(recovery.telemetry_fixtures or packaged_fixture_root()),
             rerunner=LocalRerunner(recovery.replay_dir(), timeout_s=recovery.replay_timeout_s),
@@ -132,10 +152,13 @@ def build_backends(
             catalog=LocalJobCatalog(recovery.jobs_dir()),
             description=(
                 f"local: cluster {recovery.cluster_state_path()}, AWS mocked at {aws.endpoint_url}"
+                f", remediation {recovery.remediation.value}"
             ),
+            remediation=local_remediations.get(recovery.remediation),
         )
     api_client = make_api_client(context=kube.context)
     nodes = KubeNodeOps(api_client)
+    remediation = _kube_remediation(recovery.remediation, api_client, nodes, kube)
     bucket = recovery.checkpoint_bucket
 
     def s3_store() -> S3CheckpointStore:
@@ -181,8 +204,34 @@ def build_backends(
         ),
         directory=KubeNodeDirectory(nodes, kube.spare_nodes, poll_s=kube.join_poll_s),
         catalog=KubeJobCatalog(KubeJobFinder(api_client, kube.namespace)),
-        description=f"real: Kubernetes, HyperPod cluster {aws.hyperpod_cluster} ({aws.region})",
+        description=(
+            f"real: Kubernetes, HyperPod cluster {aws.hyperpod_cluster} ({aws.region}), "
+            f"remediation {recovery.remediation.value}"
+        ),
+        remediation=remediation,
     )
+
+
+def _kube_remediation(
+    kind: RemediationKind, api_client: Any, nodes: KubeNodeOps, kube: KubeSettings
+) -> Remediation | None:
+    """The remediation a real cluster's settings name; None: HyperPod (built by Backends)."""
+    if kind is RemediationKind.KUBERNETES:
+        return KubeReplaceRemediation(
+            api_client, nodes, pool_labels=kube.pool_labels, poll_s=kube.join_poll_s
+        )
+    if kind is RemediationKind.NVSENTINEL:
+        return NVSentinelRemediation(
+            api_client,
+            version=kube.nvsentinel_version,
+            replace_action=kube.nvsentinel_replace_action,
+            reboot_action=kube.nvsentinel_reboot_action,
+            pool_labels=kube.pool_labels,
+            poll_s=kube.join_poll_s,
+        )
+    if kind is RemediationKind.ISOLATE:
+        return IsolateRemediation(nodes)
+    return None
 
 
 def _database_url(recovery: RecoverySettings) -> str:

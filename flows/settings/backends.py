@@ -4,7 +4,9 @@ The
 choice between the local backends (a simulated cluster, AWS mocked by moto) and the real ones
 (Kubernetes, SageMaker HyperPod, S3) is made here, once, by ``SDCGUARD_RECOVERY_MODE`` — never
 by a flag threaded through calls. ``local`` is the default: a missing setting must not reach a
-real cluster.
+real cluster. Who remediates an approved node is chosen here too, per cluster, by
+``SDCGUARD_RECOVERY_REMEDIATION`` (``hyperpod`` by default: nothing an operator relied on
+changes); each backend has a local counterpart on the simulated cluster.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from recovery.kube.remediation import DEFAULT_POOL_LABELS
+from recovery.remediation import RemediationKind
 from recovery.telemetry import DEFAULT_DIAG_IMAGE
 
 __all__ = ["AwsSettings", "BackendMode", "KubeSettings", "RecoverySettings"]
@@ -37,6 +41,14 @@ class RecoverySettings(BaseSettings):
     mode: BackendMode = Field(
         default=BackendMode.LOCAL,
         description="local (simulated cluster, moto) or real (Kubernetes, HyperPod, S3).",
+    )
+    remediation: RemediationKind = Field(
+        default=RemediationKind.HYPERPOD,
+        description=(
+            "Who remediates an approved node: hyperpod (SageMaker HyperPod replace/reboot), "
+            "kubernetes (drain, delete the Node, the autoscaler replaces it), nvsentinel (an "
+            "NVSentinel ExternalFault) or isolate (keep it out of service; a human takes over)."
+        ),
     )
     state_dir: Path = Field(
         default=Path(".sdcguard"),
@@ -209,4 +221,27 @@ class KubeSettings(BaseSettings):
         gt=0,
         le=300,
         description="How often a replacement's node is polled until it is Ready in the cluster.",
+    )
+    pool_labels: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_POOL_LABELS),
+        max_length=16,
+        description=(
+            "kubernetes/nvsentinel remediation: labels whose values a new node must share with "
+            "the node it replaces (JSON list; those the old node lacks are not required)."
+        ),
+    )
+    nvsentinel_version: str = Field(
+        default="v1",
+        pattern=r"^v[0-9]+((alpha|beta)[0-9]+)?$",
+        description="API version of NVSentinel's ExternalFault (group nvsentinel.dgxc.nvidia.com).",
+    )
+    nvsentinel_replace_action: str = Field(
+        default="REPLACE_VM",
+        pattern=r"^[A-Z_]{1,64}$",
+        description="NVSentinel recommendedAction an approved replacement asks for.",
+    )
+    nvsentinel_reboot_action: str = Field(
+        default="RESTART_VM",
+        pattern=r"^[A-Z_]{1,64}$",
+        description="NVSentinel recommendedAction an approved reboot asks for.",
     )

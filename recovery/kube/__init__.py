@@ -9,6 +9,9 @@
 - :mod:`~recovery.kube.catalog` — :class:`KubeJobCatalog`: a job and its pod template;
 - :mod:`~recovery.kube.diagnosis` — :class:`KubeRerunner`: a diagnostic rerun as a Job pinned to
   the node;
+- :mod:`~recovery.kube.remediation` — :class:`KubeReplaceRemediation`: drain, delete the Node,
+  the autoscaler's new node; :mod:`~recovery.kube.nvsentinel` — :class:`NVSentinelRemediation`:
+  an NVSentinel ``ExternalFault`` per node;
 - :mod:`~recovery.kube.tokenreview` — :class:`TokenReviewer`, who a service-account token is.
 
 Telemetry's Kubernetes backend (:class:`recovery.telemetry.KubeTelemetry`) lives with the

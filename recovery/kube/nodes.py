@@ -32,7 +32,7 @@ from recovery.nodes import (
     Taint,
 )
 
-__all__ = ["KubeNodeDirectory", "KubeNodeOps"]
+__all__ = ["KubeNodeDirectory", "KubeNodeOps", "node_instance_id"]
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,11 @@ def _node_info(raw: Any) -> NodeInfo:
         annotations=dict(meta.annotations or {}),
         ready=ready,
     )
+
+
+def node_instance_id(raw: Any) -> str | None:
+    """The EC2 instance behind a node object as the API returns it (None if it names none)."""
+    return _instance_id(raw.metadata.name, raw.spec.provider_id if raw.spec else None)
 
 
 def _instance_id(name: str, provider_id: str | None) -> str | None:

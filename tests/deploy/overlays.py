@@ -32,11 +32,17 @@ __all__ = [
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-KUSTOMIZATIONS = sorted(k.parent for k in (DEPLOY / "k8s").rglob("kustomization.yaml"))
-"""Every folder ``kubectl apply -k`` can be pointed at: the base and each overlay."""
+_ALL_KUSTOMIZATIONS = sorted(k.parent for k in (DEPLOY / "k8s").rglob("kustomization.yaml"))
+KUSTOMIZATIONS = [
+    k
+    for k in _ALL_KUSTOMIZATIONS
+    if (yaml.safe_load((k / "kustomization.yaml").read_text()) or {}).get("kind") != "Component"
+]
+"""Every folder ``kubectl apply -k`` can be pointed at: the base and each overlay (a
+component is rendered inside the overlays that name it, never alone)."""
 PATCHES = sorted(
     (folder / patch["path"]).resolve()
-    for folder in KUSTOMIZATIONS
+    for folder in _ALL_KUSTOMIZATIONS
     for patch in (yaml.safe_load((folder / "kustomization.yaml").read_text()) or {}).get(
         "patches", []
     )

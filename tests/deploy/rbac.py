@@ -1,4 +1,5 @@
-"""The RBAC of deploy/k8s/base/rbac.yaml as data, and the requests a client sent, as RBAC asks."""
+"""The RBAC of deploy/k8s (the base's rbac.yaml, a component's) as data, and the requests a
+client sent, as RBAC asks."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ _VERBS = {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete
 Permission = tuple[str, str, str]  # (apiGroup, resource[/sub], verb)
 
 
-def rules_of(kind: str, name: str) -> set[Permission]:
-    """Every (group, resource, verb) that role ``kind/name`` grants."""
-    for doc in yaml.safe_load_all(RBAC.read_text()):
+def rules_of(kind: str, name: str, path: Path = RBAC) -> set[Permission]:
+    """Every (group, resource, verb) that role ``kind/name`` of ``path`` grants."""
+    for doc in yaml.safe_load_all(path.read_text()):
         if doc["kind"] == kind and doc["metadata"]["name"] == name:
             return {
                 (group, resource, verb)
@@ -32,7 +33,7 @@ def rules_of(kind: str, name: str) -> set[Permission]:
                 for resource in rule["resources"]
                 for verb in rule["verbs"]
             }
-    raise KeyError(f"no {kind} {name} in {RBAC}")
+    raise KeyError(f"no {kind} {name} in {path}")
 
 
 def permission(method: str, path: str) -> tuple[str, Permission] | None:

@@ -81,11 +81,16 @@ def _at(doc: Any, pointer: str) -> Any:
 @pytest.mark.parametrize("folder", OVERLAYS, ids=_folder_id)
 def test_every_overlay_renders_what_it_patches(folder: Path) -> None:
     """A patch that kustomize applies to nothing (a renamed target, a path that no longer
-    matches) is silent: each patch's values must be in the rendered object, and each image
-    rename in every container that used the image."""
+    matches) is silent: each patch's values must be in the rendered object, each image
+    rename in every container that used the image, and each component's objects rendered."""
     body = yaml.safe_load((folder / "kustomization.yaml").read_text())
     overlay = {_key(d): d for d in render(folder)}
-    assert body.get("patches") or body.get("images")
+    assert body.get("patches") or body.get("images") or body.get("components")
+    for component in body.get("components", []):
+        spec = yaml.safe_load((folder / component / "kustomization.yaml").read_text())
+        for resource in spec.get("resources", []):
+            for doc in docs(folder / component / resource):
+                assert overlay.get(_key(doc)) == doc, f"{folder.name}: {_key(doc)} not rendered"
     for patch in body.get("patches", []):
         fragment = docs(folder / patch["path"])[0] if "path" in patch else None
         target = (patch["target"]["kind"], patch["target"]["name"]) if "target" in patch \

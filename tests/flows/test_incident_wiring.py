@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from flows.incident.approval.form import ApprovalDecision, Evidence, artifact_key, evidence_markdown
 from flows.incident.policy import IncidentPolicy, storm_guard
@@ -17,14 +19,18 @@ from recovery.aws.local import LocalAws, create_demo_cluster, start_local_aws
 from recovery.checkpoints.store import FileCheckpointStore
 from recovery.diagnosis.plan import plan_from_harness_args
 from recovery.errors import PermanentError, TemporaryError
+from recovery.isolation import IsolateRemediation
 from recovery.jobs import JobKind
 from recovery.kube.client import api_client_for_host
 from recovery.kube.nodes import KubeNodeDirectory, KubeNodeOps
+from recovery.kube.nvsentinel import NVSentinelRemediation
+from recovery.kube.remediation import KubeReplaceRemediation
 from recovery.local import LocalJobControl
 from recovery.local.catalog import LocalJobCatalog
 from recovery.local.cluster import LocalCluster
 from recovery.local.nodes import LocalNodeOps
 from recovery.nodes import HYPERPOD_NODE_PREFIX
+from recovery.remediation import RemediationKind
 from tests.recovery.fake_kube import FakeKube
 
 
@@ -167,6 +173,8 @@ def test_evidence_shows_what_an_approver_needs() -> None:
             alarm_count=1,
             nodes_to_fix=["node-2"],
             action="replace",
+            remediation="kubernetes",
+            remediation_effect="the node is drained and deleted; the autoscaler replaces it",
         )
     )
     for part in (
@@ -177,7 +185,7 @@ def test_evidence_shows_what_an_approver_needs() -> None:
         "**healthy**",
         "not collected: x/y",
         "steps 30..37",
-        "Replace `node-2`",
+        "**Remediation backend: `kubernetes`.** Replace `node-2`: the node is drained",
         "no storm",
         "auto-approval is off",
     ):
@@ -203,3 +211,81 @@ def test_a_replacements_join_waits_as_long_as_it_is_given_and_no_longer() -> Non
             assert directory.joined("node-3", "i-0ready", timeout_s=0.0) == "hyperpod-i-0ready"
         finally:
             api_client.close()
+
+
+_LOCAL_REMEDIATIONS = {
+    "hyperpod": "HyperPodRemediation",
+    "kubernetes": "LocalReplaceRemediation",
+    "nvsentinel": "LocalFaultRemediation",
+    "isolate": "IsolateRemediation",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_LOCAL_REMEDIATIONS))
+def test_the_remediation_setting_picks_the_backend_once_in_local_mode(
+    tmp_path: Path,
+    sqlite_database_url: str,
+    local_aws: LocalAws,
+    monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:
+    monkeypatch.setenv("SDCGUARD_RECOVERY_REMEDIATION", kind)
+    ids = create_demo_cluster(local_aws, f"wiring-{kind}", 1)
+    LocalCluster.create(tmp_path / "cluster.json", ["node-0"], [], {"node-0": ids[0]})
+    backends = build_backends(
+        RecoverySettings(mode=BackendMode.LOCAL, state_dir=tmp_path),
+        database_url=sqlite_database_url,
+        aws=AwsSettings(endpoint_url=local_aws.endpoint_url, hyperpod_cluster=f"wiring-{kind}"),
+        aws_session=local_aws.session(),
+    )
+    remediation = backends.remediator()
+    assert type(remediation).__name__ == _LOCAL_REMEDIATIONS[kind]
+    assert remediation.kind.value == kind
+    assert f"remediation {kind}" in backends.description
+    backends.ledger.close()
+
+
+def test_the_remediation_setting_defaults_to_hyperpod_and_refuses_unknown_backends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert RecoverySettings().remediation is RemediationKind.HYPERPOD
+    monkeypatch.setenv("SDCGUARD_RECOVERY_REMEDIATION", "karpenter")
+    with pytest.raises(ValidationError, match="remediation"):
+        RecoverySettings()
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("kubernetes", KubeReplaceRemediation),
+        ("nvsentinel", NVSentinelRemediation),
+        ("isolate", IsolateRemediation),
+    ],
+)
+def test_real_mode_wires_the_kubernetes_remediations(
+    tmp_path: Path, sqlite_database_url: str, kind: str, expected: type
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [{"name": "c", "cluster": {"server": "http://127.0.0.1:9"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
+    )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KUBECONFIG", str(kubeconfig))
+        env.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+        backends = build_backends(
+            RecoverySettings(mode=BackendMode.REAL, remediation=RemediationKind(kind)),
+            database_url=sqlite_database_url,
+            aws=AwsSettings(endpoint_url="http://127.0.0.1:9"),
+        )
+    assert isinstance(backends.remediator(), expected)
+    assert isinstance(backends.nodes, KubeNodeOps)
+    backends.ledger.close()

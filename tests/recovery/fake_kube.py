@@ -687,6 +687,7 @@ class FakeKube:
             return FakeResponse(200, copy.deepcopy(current))
         assert current is not None
         if method == "DELETE":
+            self._check_delete_preconditions(resource, name, current, request.body)
             del self._objects[key]
             self._notify("delete", resource.plural, current, None)
             return FakeResponse(200, copy.deepcopy(current))
@@ -744,6 +745,27 @@ class FakeKube:
                 reason="Conflict",
                 details={"name": name, "group": resource.group, "kind": resource.plural},
             )
+
+    def _check_delete_preconditions(
+        self, resource: _Resource, name: str, current: JSON, body: Any
+    ) -> None:
+        # DeleteOptions.preconditions: the delete applies only to the object with this uid (or
+        # resourceVersion); another object under the same name answers 409, as the real server.
+        wanted = (body or {}).get("preconditions") if isinstance(body, dict) else None
+        if not wanted:
+            return
+        for field_name, stored in (
+            ("uid", current["metadata"].get("uid")),
+            ("resourceVersion", current["metadata"].get("resourceVersion")),
+        ):
+            if wanted.get(field_name) is not None and wanted[field_name] != stored:
+                raise _ApiError(
+                    409,
+                    f"Precondition failed: {field_name}: {wanted[field_name]}, "
+                    f"ObjectMeta.{field_name}: {stored}",
+                    reason="Conflict",
+                    details={"name": name, "group": resource.group, "kind": resource.plural},
+                )
 
     def _validate_update(self, resource: _Resource, name: str, old: JSON, new: JSON) -> None:
         for field_name in ("name", "namespace", "uid"):

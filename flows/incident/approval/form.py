@@ -142,6 +142,10 @@ class Evidence:
     nodes_to_fix: Sequence[str]
     action: str
     """``replace`` or ``reboot``: what approving does to ``nodes_to_fix``."""
+    remediation: str
+    """Which backend acts (``hyperpod``, ``kubernetes``, ``nvsentinel``, ``isolate``)."""
+    remediation_effect: str
+    """What that backend does to the node, in one sentence (``Remediation.describe``)."""
 
 
 def artifact_key(incident_id: str, what: str) -> str:
@@ -218,15 +222,15 @@ def evidence_markdown(evidence: Evidence) -> str:
         f"Checkpoints in steps {start}..{end} are quarantined; {rollback}.",
         "",
         "## What approving does",
-        f"{evidence.action.capitalize()} "
+        f"**Remediation backend: `{evidence.remediation}`.** {evidence.action.capitalize()} "
         + (", ".join(f"`{n}`" for n in evidence.nodes_to_fix) or "no node")
-        + " through SageMaker HyperPod, then resume training on the new node set.",
+        + f": {evidence.remediation_effect}.",
         "",
         "## Guards",
         f"- Storm guard: {evidence.storm.reason}",
         f"- Auto-approval: {evidence.auto_approval}",
         "",
-        "Approve to replace or reboot the node and resume training; reject to leave it. "
+        "Approve to let the remediation above act on the node; reject to leave it. "
         "No answer before the timeout expires the incident: the node stays cordoned.",
     ]
     return "\n".join(lines)

@@ -22,7 +22,8 @@ fails the stage at once, and the flow records the incident ``failed`` with the r
 The modules, one runbook step each: ``_common`` (the two records above, the stage decorator),
 ``_incident`` (reading and moving the incident), ``_heartbeat`` (a running stage's claims renewed
 while it runs), ``containment`` (triage's storm guard, stop, cordon, release), ``diagnosis``
-(telemetry, rerun), ``approval`` (the decision), ``fix`` (replace or reboot), ``resume``
+(telemetry, rerun), ``approval`` (the decision), ``fix`` (the wired remediation, and its release
+after the resume), ``handover`` (an isolated node's incident to a human), ``resume``
 (quarantine, choose the checkpoint, resume). :mod:`flows.incident.flow` calls them in order.
 """
 
@@ -43,7 +44,8 @@ from flows.incident.stages.approval import (
 )
 from flows.incident.stages.containment import cordon_suspects, release_nodes, stop_training, triage
 from flows.incident.stages.diagnosis import collect_telemetry, diagnostic_rerun
-from flows.incident.stages.fix import fix_nodes
+from flows.incident.stages.fix import fix_nodes, release_remediations
+from flows.incident.stages.handover import hand_over
 from flows.incident.stages.resume import (
     choose_checkpoint,
     quarantine_suspect_checkpoints,
@@ -62,12 +64,14 @@ __all__ = [
     "cordon_suspects",
     "diagnostic_rerun",
     "fix_nodes",
+    "hand_over",
     "implicated_nodes",
     "nodes_to_fix",
     "perform",
     "quarantine_suspect_checkpoints",
     "record_stage",
     "release_nodes",
+    "release_remediations",
     "resume_training",
     "retry_on_temporary",
     "seek_approval",

@@ -68,6 +68,10 @@ class Stage(StrEnum):
     REPLACE = "replace"
     QUARANTINE = "quarantine"
     RESUME = "resume"
+    CLEAR = "clear"
+    """After the resume: what a remediation left for the incident is removed."""
+    HAND_OVER = "hand-over"
+    """Instead of the resume, when the node was isolated: a human takes over."""
     RELEASE = "release"
 
 
@@ -80,6 +84,8 @@ class Action(StrEnum):
     UNCORDON = "uncordon"
     REPLACE = "replace"
     REBOOT = "reboot"
+    ISOLATE = "isolate"
+    CLEAR = "clear-remediation"
     RESUME = "resume"
 
 

@@ -37,6 +37,7 @@ from flows.incident.stages._incident import (
 )
 from flows.incident.stages.containment import recheck_storm
 from flows.incident.wiring import Backends, current_backends
+from recovery.remediation import RemediationVerb
 
 __all__ = ["AUTO_APPROVER", "EXPIRE", "Decision", "seek_approval", "withdraw_automatic"]
 
@@ -139,6 +140,7 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
                 nodes=requested,
                 identity={"identity_source": "policy"},
             )
+        remediation = b.remediator()
         evidence = Evidence(
             incident_id=incident_id,
             job_id=incident.job_id,
@@ -152,6 +154,8 @@ def seek_approval(incident_id: str, policy: IncidentPolicy, *, poll_interval_s: 
             alarm_count=len(incident.alarms),
             nodes_to_fix=requested,
             action=policy.action.value,
+            remediation=remediation.kind.value,
+            remediation_effect=remediation.describe(RemediationVerb(policy.action.value)),
         )
         if fresh:  # paged once per request, not again when a suspended run is re-entered
             _page(incident, requested)

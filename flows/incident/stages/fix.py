@@ -1,178 +1,158 @@
-"""The fix stage: replace the faulty node through HyperPod, or reboot it, as the policy says.
+"""The fix stage: the approved nodes go to the wired remediation, once each.
 
-A replacement's plan (instance, its logical id where the cluster has one, group, members
-before) is stored with the claim before the call, because after the replacement the node is
-gone; a repeat looks at the instance's status before asking HyperPod again, and an
-``InstanceIdInUse`` on a repeat means "already replacing" — it converges on the one
-replacement. The new node is the one HyperPod reports under the old node's logical id, or, on a
-cluster without logical ids, the one the accounting rule of :mod:`recovery.aws.hyperpod` proves
-ours; never merely "the first new node". The wait — HyperPod bringing the instance up, then
-the node joining the cluster — is bounded by the policy's ``replacement_timeout_s``.
+Which system acts is the wiring's choice (:meth:`flows.incident.wiring.Backends.remediator`:
+HyperPod, the cluster's own replacement, NVSentinel, or isolation); this stage only keeps the
+rules that hold for every backend:
+
+- **never twice** — each node's remediation is one ledger action (``replace``, ``reboot`` or
+  ``isolate``) whose plan is stored with the claim before the first call; a later attempt gets
+  ``first=False`` and the same plan, and the backend looks before it asks again. A node
+  another remediation of this incident already took as its replacement is never taken again;
+- **never an unaccused node** — only the nodes the recorded decision approved are remediated;
+  suspects the rerun cleared are uncordoned (our marks only), nothing else is touched;
+- the wait is bounded by the policy's ``replacement_timeout_s``.
+
+A node restored in place (rebooted, or remediated by NVSentinel) gets our cordon lifted so the
+job can resume on it; a replaced node is gone; an isolated node stays as it is.
+:func:`release_remediations` runs once training resumed and removes what a backend left for the
+incident (the ``ExternalFault``).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import time
 from typing import Any
 
-from db import IncidentState, action_key
-from flows.incident.policy import IncidentPolicy, NodeAction
+from db import ActionStatus, IncidentState, action_key
+from flows.incident.policy import IncidentPolicy
 from flows.incident.stages._common import Action, Stage, StageOutcome, perform, stage
 from flows.incident.stages._incident import advance, approved_nodes, implicated_nodes
 from flows.incident.stages.containment import uncordon
 from flows.incident.wiring import Backends, current_backends
-from recovery.aws.hyperpod import INSTANCE_ID_LABEL
-from recovery.aws.hyperpod_nodes import AlreadyReplacing, NodeFailureCode, NodeStatus
-from recovery.errors import NotFoundError
+from recovery.remediation import (
+    Remediation,
+    RemediationKind,
+    RemediationOutcome,
+    RemediationVerb,
+)
 
-__all__ = ["fix_nodes"]
+__all__ = ["fix_nodes", "release_remediations"]
 
 log = logging.getLogger(__name__)
 
+_REMEDIATIONS = (Action.REPLACE.value, Action.REBOOT.value, Action.ISOLATE.value)
 
-def _replacement_plan(b: Backends, incident_id: str, node: str) -> dict[str, Any]:
-    """Which instance backs ``node`` and who its group's members are, before any replace.
 
-    Kept with the claim, because after the replacement the node is gone and the new instance
-    is recognised only as "a member that was not there before".
+def _action(remediation: Remediation, verb: RemediationVerb) -> Action:
+    if remediation.kind is RemediationKind.ISOLATE:
+        return Action.ISOLATE
+    return Action.REBOOT if verb is RemediationVerb.REBOOT else Action.REPLACE
+
+
+def _plan(
+    b: Backends,
+    remediation: Remediation,
+    incident_id: str,
+    kind: Action,
+    node: str,
+    verb: RemediationVerb,
+) -> dict[str, Any]:
+    """The plan an earlier attempt stored with its claim, or a fresh one read now.
+
+    Kept with the claim, because after a replacement the node is gone and its successor is
+    recognised only against what was there before.
     """
-    key = action_key(incident_id, Action.REPLACE.value, node)
+    key = action_key(incident_id, kind.value, node)
     prior = next((a for a in b.ledger.actions(incident_id) if a.key == key), None)
-    if prior is not None and prior.detail and prior.detail.get("instance_id"):
+    if (
+        prior is not None
+        and prior.detail
+        and (prior.detail.get("backend") or prior.detail.get("instance_id"))
+    ):
         return dict(prior.detail)
-    info = b.nodes.get(node)
-    labels = dict(info.labels)
-    if info.instance_id:
-        labels.setdefault(INSTANCE_ID_LABEL, info.instance_id)
-    instance_id = b.hyperpod.instance_for(node, labels)
-    described = b.hyperpod.describe(instance_id)
-    group = described.group
-    members = sorted(n.instance_id for n in b.hyperpod.list_nodes(group) if n.instance_id)
-    return {
-        "node": node,
-        "instance_id": instance_id,
-        "logical_id": described.logical_id,
-        "group": group,
-        "members_before": members,
-    }
+    return remediation.plan(node, incident_id, verb)
 
 
 def _taken(b: Backends, incident_id: str) -> set[str]:
-    """New instances this incident's finished replacements already took (never twice)."""
-    return {
-        str(a.detail["new_instance_id"])
-        for a in b.ledger.actions(incident_id)
-        if a.kind == Action.REPLACE.value and a.detail and a.detail.get("new_instance_id")
-    }
+    """Nodes and instances this incident's finished replacements already took (never twice)."""
+    taken: set[str] = set()
+    for a in b.ledger.actions(incident_id):
+        if a.kind == Action.REPLACE.value and a.detail:
+            taken.update(
+                str(a.detail[k]) for k in ("new_node", "new_instance_id") if a.detail.get(k)
+            )
+    return taken
 
 
-def _status(b: Backends, instance_id: str) -> str:
-    try:
-        return b.hyperpod.describe(instance_id).status
-    except NotFoundError:
-        return NodeStatus.NOT_FOUND.value
-
-
-def _replace(
-    b: Backends, plan: dict[str, Any], timeout_s: float, taken: set[str], first: bool
+def _remediate(
+    remediation: Remediation,
+    plan: dict[str, Any],
+    timeout_s: float,
+    taken: set[str],
+    first: bool,
 ) -> dict[str, Any]:
-    """Replace once, converging after a crash: on a later attempt HyperPod may already be
-    replacing the instance while still reporting it ``Running``; its ``InstanceIdInUse`` then
-    means "already replacing" — we wait for that replacement instead of failing."""
-    node, instance_id, group = plan["node"], plan["instance_id"], plan["group"]
-    deadline = time.monotonic() + timeout_s  # one bound: the instance up, and the node joined
-    leaving = (NodeStatus.SHUTTING_DOWN.value, NodeStatus.NOT_FOUND.value)
-    extra = {"node": node, "instance_id": instance_id}
-    if first or _status(b, instance_id) not in leaving:
-        try:
-            result = b.hyperpod.replace(instance_id)
-            in_use = [f for f in result.failed if f.code == NodeFailureCode.INSTANCE_ID_IN_USE]
-            if in_use and not first:
-                log.warning(
-                    "%s: HyperPod says an operation is in progress (%s); an earlier attempt's "
-                    "replacement, waiting for it",
-                    node,
-                    in_use[0].message,
-                    extra=extra,
-                )
-            else:
-                result.raise_for_failures()
-        except AlreadyReplacing:
-            log.warning("%s is already being replaced; waiting for it", node, extra=extra)
-    new_instance = b.hyperpod.wait_replaced(
-        instance_id,
-        group,
-        known_ids=frozenset(plan["members_before"]),
-        logical_id=plan.get("logical_id"),
-        taken=taken,
-        timeout_s=timeout_s,
-    )
-    new_node = b.directory.joined(
-        node, new_instance, timeout_s=max(deadline - time.monotonic(), 0.0)
-    )
-    return {"new_instance_id": new_instance, "new_node": new_node}
-
-
-def _reboot(b: Backends, node: str, instance_id: str, first: bool) -> dict[str, Any]:
-    # A stale claim with the node Running cannot tell "rebooted" from "never asked": reboot
-    # again — a second reboot costs minutes, a skipped one leaves a bad node in service.
-    if first or _status(b, instance_id) != NodeStatus.PENDING.value:
-        b.hyperpod.reboot(instance_id).raise_for_failures()
-    b.hyperpod.wait_running(instance_id)
-    return {"rebooted": True}
+    remediation.start(plan, first=first)
+    return remediation.wait(plan, timeout_s=timeout_s, taken=taken)
 
 
 @stage(Stage.REPLACE)
 def fix_nodes(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
-    """Replace the faulty node through HyperPod (or reboot it), as the policy says."""
+    """Hand every approved node to the wired remediation, once; uncordon what the rerun cleared."""
     b = current_backends()
+    remediation = b.remediator()
+    verb = RemediationVerb(policy.action.value)
     incident = advance(
-        b, incident_id, IncidentState.REPLACING, reason=f"{policy.action.value} approved"
+        b,
+        incident_id,
+        IncidentState.REPLACING,
+        reason=f"{verb.value} approved ({remediation.kind.value} remediation)",
     )
     replaced: list[dict[str, Any]] = []
     rebooted: list[dict[str, Any]] = []
+    restored: list[str] = []
+    isolated: list[str] = []
     approved = approved_nodes(incident)
     for node in approved:
-        plan = _replacement_plan(b, incident_id, node)
-        if policy.action is NodeAction.REPLACE:
-            done = perform(
-                incident_id,
-                Action.REPLACE,
-                node,
-                functools.partial(
-                    _replace,
-                    b,
-                    plan,
-                    float(policy.replacement_timeout_s),
-                    _taken(b, incident_id),
-                ),
-                detail=plan,
-            )
+        kind = _action(remediation, verb)
+        plan = _plan(b, remediation, incident_id, kind, node, verb)
+        done = perform(
+            incident_id,
+            kind,
+            node,
+            functools.partial(
+                _remediate,
+                remediation,
+                plan,
+                float(policy.replacement_timeout_s),
+                _taken(b, incident_id),
+            ),
+            detail=plan,
+        )
+        outcome = RemediationOutcome(done["outcome"])
+        if outcome is RemediationOutcome.REPLACED:
             replaced.append(
                 {
                     "node": node,
-                    "instance_id": plan["instance_id"],
-                    "new_instance_id": done["new_instance_id"],
+                    "instance_id": done.get("instance_id"),
+                    "new_instance_id": done.get("new_instance_id"),
                     "new_node": done["new_node"],
                 }
             )
-        else:
-            perform(
-                incident_id,
-                Action.REBOOT,
-                node,
-                functools.partial(_reboot, b, node, plan["instance_id"]),
-                detail={"node": node, "instance_id": plan["instance_id"]},
-            )
+        elif outcome is RemediationOutcome.RESTORED:
+            # back in service under its name: lift our cordon so the job can resume on it
             perform(
                 incident_id,
                 Action.UNCORDON,
                 node,
                 functools.partial(uncordon, b, incident_id, node),
             )
-            rebooted.append({"node": node, "instance_id": plan["instance_id"]})
+            if verb is RemediationVerb.REBOOT:
+                rebooted.append({"node": node, "instance_id": done.get("instance_id")})
+            else:
+                restored.append(node)
+        else:
+            isolated.append(node)
     # Suspects the rerun cleared (a hardware verdict named another node) go back to work:
     # the job resumes on them, and a cordoned node cannot take its pods.
     cleared = [n for n in implicated_nodes(incident) if n not in approved]
@@ -182,10 +162,48 @@ def fix_nodes(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
         )
     parts = [f"{r['node']} → {r['new_node']} ({r['new_instance_id']})" for r in replaced]
     parts += [f"{r['node']} rebooted" for r in rebooted]
+    parts += [f"{n} remediated in place" for n in restored]
+    parts += [f"{n} isolated for investigation" for n in isolated]
     parts += [f"{n} cleared by the rerun and uncordoned" for n in cleared]
     return {
         "outcome": "; ".join(parts),
+        "remediation": remediation.kind.value,
         "replaced": replaced,
         "rebooted": rebooted,
+        "restored": restored,
+        "isolated": isolated,
         "cleared": cleared,
+    }
+
+
+def _release(
+    remediation: Remediation, record: dict[str, Any], incident_id: str, first: bool
+) -> dict[str, Any]:
+    return {"released": remediation.release(record, incident_id)}
+
+
+@stage(Stage.CLEAR)
+def release_remediations(incident_id: str, policy: IncidentPolicy) -> StageOutcome:
+    """Once training resumed: remove what the remediations left for this incident, once each."""
+    b = current_backends()
+    remediation = b.remediator()
+    released: list[str] = []
+    for action in b.ledger.actions(incident_id):
+        if action.kind not in _REMEDIATIONS or action.status is not ActionStatus.SUCCEEDED:
+            continue
+        record = dict(action.detail or {})
+        if record.get("backend", RemediationKind.HYPERPOD.value) != remediation.kind.value:
+            continue  # done by another backend (settings changed since): not ours to undo
+        node = str(record["node"])
+        done = perform(
+            incident_id,
+            Action.CLEAR,
+            node,
+            functools.partial(_release, remediation, record, incident_id),
+        )
+        if done.get("released"):
+            released.append(node)
+    return {
+        "outcome": f"released {', '.join(released)}" if released else "nothing to release",
+        "released": released,
     }
