@@ -4,7 +4,8 @@
 * :mod:`~detection.stepcheck.gradstats` (with its engines ``gradstats_detector`` and
   ``gradstats_arrays``) — cross-rank and temporal statistics of the local gradients;
 * :mod:`~detection.stepcheck.allreduce` — an algebraic check of the all-reduce;
-* :mod:`~detection.stepcheck.abft` and ``abft_layers`` — checksums of the layers' arithmetic.
+* :mod:`~detection.stepcheck.abft` and ``abft_layers`` — checksums of the layers' arithmetic,
+  read in units of the rounding bound :mod:`~detection.stepcheck.abft_bound` derives.
 """
 
 from detection.stepcheck.abft import LinearChecksums
