@@ -98,6 +98,20 @@ def test_gradient_flip_at_an_audited_step_fails_the_gradient_audit() -> None:
     assert _alarms(report) == [(4, "audit", "gradient", [0, 2], ["node-0", "node-2"])]
 
 
+def test_an_upset_of_the_auditor_s_recomputation_leaves_only_the_pair(
+    clean_reference: dict[str, Any],
+) -> None:
+    """The case the ring audit can only pin on a pair with the per-step layer armed: the upset
+    strikes rank 0's recomputation of rank 2's micro-batch (``in=recompute``), not a training
+    step. Training stays clean — the per-step layer, every checksum on every step, rightly
+    sees nothing, and the weights end as the clean run's — while the audit's one disagreeing
+    pair names both sides."""
+    report = _job("act-flip@0:4:in=recompute", steps=10, abft_every=1)
+    assert _alarms(report) == [(4, "audit", "loss", [0, 2], ["node-0", "node-2"])]
+    assert report["alarms"][0]["detail"]["mismatched_pairs"] == [{"auditor": 0, "audited": 2}]
+    assert report["final_fingerprint"] == clean_reference["final_fingerprint"]
+
+
 def test_faults_only_the_per_step_layer_sees_from_the_first_steps(
     clean_reference: dict[str, Any],
 ) -> None:
