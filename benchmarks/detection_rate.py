@@ -42,6 +42,7 @@ def cell_workloads(
     abft: bool | None,
     models: tuple[str, ...] = MODELS,
     start: int = 30,
+    abft_every: int | None = None,
 ) -> list[tuple[tuple[str, str, int], Workload]]:
     """One job per (model, kind, bit): ``faults`` flips from step ``start``, every 3 steps."""
     cells = []
@@ -56,6 +57,7 @@ def cell_workloads(
                     inject=specs,
                     skip_update=True,
                     abft=abft,
+                    abft_every=abft_every,
                 )
                 cells.append(((model, kind, bit), work))
     return cells
@@ -80,9 +82,9 @@ def score(results: list[list[dict[str, Any]]], index: int) -> dict[str, int]:
 
 
 def run_matrix(
-    world: int, faults: int, abft: bool | None, start: int = 30
+    world: int, faults: int, abft: bool | None, start: int = 30, abft_every: int | None = None
 ) -> dict[tuple[str, str, int], dict[str, int]]:
-    cells = cell_workloads(world, faults, abft, start=start)
+    cells = cell_workloads(world, faults, abft, start=start, abft_every=abft_every)
     results = launch(run_many, world, [w for _, w in cells])
     return {key: score(results, i) for i, (key, _) in enumerate(cells)}
 
@@ -182,9 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--from-step", type=int, default=30, help="step of the first flip (1: the first steps)"
     )
+    parser.add_argument(
+        "--abft-every",
+        type=int,
+        default=None,
+        help="the checksums' budget (default: GuardConfig's rotation, each layer once every 8 "
+        "steps, so a one-off flip meets its layer's checksum on 1 step in 8; 1: full coverage)",
+    )
     args = parser.parse_args(argv)
     started = time.monotonic()
-    print(f"flips from step {args.from_step}, every 3 steps", flush=True)
+    budget = "the default budget" if args.abft_every is None else f"abft_every={args.abft_every}"
+    print(f"flips from step {args.from_step}, every 3 steps; checksums: {budget}", flush=True)
     matrix: dict[str, dict[tuple[str, str, int], dict[str, int]]] = defaultdict(dict)
     modes: tuple[bool | None, ...] = (None, False)
     if args.no_abft or args.default_only:
@@ -193,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         for abft in modes:
             label = "default (statistics + ABFT)" if abft is None else "statistics only"
             mode = f"world size {world}, {label}"
-            matrix[mode] = run_matrix(world, args.faults, abft, start=args.from_step)
+            matrix[mode] = run_matrix(
+                world, args.faults, abft, start=args.from_step, abft_every=args.abft_every
+            )
             print(f"{mode}: done after {time.monotonic() - started:.0f} s", flush=True)
     print(table(matrix))
     plot(matrix, args.plot)

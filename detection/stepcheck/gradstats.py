@@ -38,9 +38,12 @@ would inflate the mean and spread every later test reads). A temporal excess on 
 the ranks is the job's dynamics and is learnt, as it is never named. So a fault in the first
 steps cannot widen any threshold: it is either named, or kept out of the reference.
 ``k`` multiplies a *measured* spread: data differ per rank and per model, a fixed constant on
-raw norms would be wrong for both. The cost in sensitivity: a flip is caught when it raises
-a bucket's norm by more than ``exp(max(k·s, log F))``; with the defaults (``k = 16``,
-``F = 8``) and a clean spread ``s`` of 0.05-0.15 that is a factor of 8-11.
+raw norms would be wrong for both. The floor ``F`` is not scaled by a spread, so it is set
+above the largest excess clean steps were measured to reach (a heavy tail the averaged spread
+does not follow: :mod:`detection.stepcheck.headroom`, ``docs/detection-design.md``). The cost
+in sensitivity: a flip is caught when it raises a bucket's norm by more than
+``exp(max(k·s, log F))``; with the defaults (``k = 16``, ``F = 16``) and a clean spread ``s``
+of 0.05-0.15 that is a factor of 16.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ import torch
 
 from detection import native
 from detection.stepcheck.allreduce import bucket_norm, chunked_sum, native_chunk
+from detection.stepcheck.headroom import Headroom
 
 __all__ = [
     "BUCKET_FIELDS",
@@ -91,7 +95,7 @@ class StatsConfig:
     """
 
     k: float = 16.0
-    floor_factor: float = 8.0
+    floor_factor: float = 16.0
     warmup: int = 25
     alpha: float = 0.05
     early_factor: float = 64.0
@@ -273,6 +277,7 @@ class ScalarTests:
     _temporal: dict[tuple[int, str], _History] = field(default_factory=dict)
     _spread: dict[str, _History] = field(default_factory=dict)
     _mature: bool = False  # every reference holds ``warmup`` steps: no young-value gate
+    headroom: Headroom = field(default_factory=Headroom)  # clean excesses (measurement only)
 
     @property
     def calibrated(self) -> bool:
@@ -351,6 +356,7 @@ class ScalarTests:
         cfg = self.config
         alpha, warmup, temporal = cfg.alpha, cfg.warmup, self._temporal
         kept, columns = self._outliers(names, logs) if not self._mature else (set(), set())
+        peak, peak_name = -math.inf, ""
         for r, x in enumerate(logs):
             for j, v in x:
                 if (r, j) in kept:
@@ -358,15 +364,23 @@ class ScalarTests:
                 history = temporal.get((r, names[j]))
                 if history is None:
                     history = temporal[(r, names[j])] = _History()
+                elif history.n >= warmup and v - history.mean > peak:
+                    peak, peak_name = v - history.mean, names[j]
                 history.update(v, alpha, warmup)
+        self.headroom.temporal.note(peak, peak_name)
         if self.world_size >= 3:
+            peak, peak_name = -math.inf, ""
             for j, ranked in _by_column(logs).items():
                 if len(ranked) < 3 or j in columns:
                     continue
                 xs = [v for _, v in ranked]
                 median = statistics.median(xs)
                 mad = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in xs)
-                self._spread.setdefault(names[j], _History()).update(mad, alpha, warmup)
+                spread = self._spread.setdefault(names[j], _History())
+                if spread.n >= warmup and max(xs) - median > peak:
+                    peak, peak_name = max(xs) - median, names[j]
+                spread.update(mad, alpha, warmup)
+            self.headroom.cross.note(peak, peak_name)
         self.steps_learnt += 1
         if self.steps_learnt >= warmup and not self._mature:
             # as the arrays count it: a history for every rank and column, a spread for every

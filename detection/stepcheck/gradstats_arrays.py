@@ -40,6 +40,7 @@ from detection.stepcheck.gradstats import (
     stat_finding,
     worst_per_rank,
 )
+from detection.stepcheck.headroom import Headroom, TestPeak
 
 __all__ = ["ArrayTests", "table_of"]
 
@@ -95,6 +96,7 @@ class ArrayTests:
     _s_n: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     _seen: tuple[_Array, _Array] | None = None  # the last table and its logs
     _mature: bool = False  # every reference holds ``warmup`` steps: no young-value gate
+    headroom: Headroom = field(default_factory=Headroom)  # clean excesses (measurement only)
 
     def history(self) -> dict[tuple[int, str], tuple[float, float, int]]:
         """The temporal test's reference per (rank, statistic): running mean and mean absolute
@@ -203,6 +205,7 @@ class ArrayTests:
             kept, kept_cols = self._outliers(logs, mean, dev, n, cols)
             if kept.any():
                 learnt = np.where(kept, np.nan, logs)
+        self._note(self.headroom.temporal, names, np.where(n >= cfg.warmup, learnt - mean, np.nan))
         _update(mean, dev, n, learnt, cfg.alpha, cfg.warmup)
         self._t_mean[:, cols], self._t_dev[:, cols], self._t_n[:, cols] = mean, dev, n
         if self.world_size >= 3:
@@ -213,6 +216,10 @@ class ArrayTests:
                 mad = MAD_TO_SIGMA * _median(np.abs(part - median))
                 where = np.asarray(cols)[counted]
                 s_mean, s_dev, s_n = self._s_mean[where], self._s_dev[where], self._s_n[where]
+                top = np.where(s_n >= cfg.warmup, np.nanmax(part, axis=0) - median, np.nan)
+                self._note(
+                    self.headroom.cross, [n for n, c in zip(names, counted, strict=True) if c], top
+                )
                 _update(s_mean, s_dev, s_n, mad, cfg.alpha, cfg.warmup)
                 self._s_mean[where], self._s_dev[where], self._s_n[where] = s_mean, s_dev, s_n
         self.steps_learnt += 1
@@ -221,6 +228,15 @@ class ArrayTests:
                 (self._t_n >= cfg.warmup).all()
                 and (self.world_size < 3 or (self._s_n >= cfg.warmup).all())
             )
+
+    @staticmethod
+    def _note(peak: TestPeak, names: Sequence[str], excess: _Array) -> None:
+        """The loop's headroom record of one learnt step: the largest non-NaN ``excess``
+        (a row per rank, or one value per column) and its column's name."""
+        if np.isnan(excess).all():
+            return
+        index = int(np.nanargmax(excess))
+        peak.note(float(excess.flat[index]), names[index % len(names)])
 
     def _outliers(
         self, logs: _Array, mean: _Array, dev: _Array, n: npt.NDArray[np.int64], cols: list[int]

@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from detection.stepcheck.gradstats import ScalarTests, StatFinding, StatsConfig
 from detection.stepcheck.gradstats_arrays import ArrayTests, table_of
+from detection.stepcheck.headroom import Headroom
 
 __all__ = ["ARRAY_MIN", "GradStatsDetector"]
 
@@ -50,6 +51,9 @@ class GradStatsDetector:
     _tests: ScalarTests | ArrayTests | None = None
     _layout: int | tuple[int, ...] = -1
     _kept: dict[int | tuple[int, ...], ScalarTests | ArrayTests] = field(default_factory=dict)
+    headroom: Headroom = field(default_factory=Headroom)
+    """How close this process's clean steps came to the floor, over every bucket layout
+    (:mod:`detection.stepcheck.headroom`): a measurement, not part of :meth:`state_dict`."""
 
     @property
     def steps_learnt(self) -> int:
@@ -123,9 +127,9 @@ class GradStatsDetector:
         statistics a rank)."""
         if self._tests is None:
             if self.world_size * width() > self.array_min:
-                self._tests = ArrayTests(self.world_size, self.config)
+                self._tests = ArrayTests(self.world_size, self.config, headroom=self.headroom)
             else:
-                self._tests = ScalarTests(self.world_size, self.config)
+                self._tests = ScalarTests(self.world_size, self.config, headroom=self.headroom)
         return self._tests
 
     def test(self, values: Sequence[dict[str, float]]) -> list[StatFinding]:

@@ -3,17 +3,20 @@ as pure functions of the gathered tables
 (:class:`~detection.stepcheck.gradstats_detector.GradStatsDetector`).
 
 * from step 0 a flip far beyond the early floor (x64) names its rank, and is not learnt;
-* while the references are young, a value beyond the mature threshold (x8 here) but below the
+* while the references are young, a value beyond the mature threshold (x16 here) but below the
   early floor is neither named nor learnt: a fault in the first steps widens no threshold;
 * the learnt state round-trips exactly, through both engines (the loop and the arrays), and a
   copy decides every later step as the original does; a state that could disarm a test, or of
-  another world size, is refused.
+  another world size, is refused;
+* the headroom (what the floor is set from) is the largest excess of the clean, mature steps,
+  the same from both engines, and a step with a finding is not measured.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import numpy as np
 import pytest
@@ -53,7 +56,7 @@ def test_an_early_flip_is_named_or_kept_out_and_widens_no_threshold(
     assert [f.rank for f in found] == [1]
     assert found[0].threshold >= math.log(64.0)
     assert detector.history() == before  # a step with a finding is not learnt
-    # step 4: rank 1's bucket 0 x20: past the mature threshold (x8), short of the early floor
+    # step 4: rank 1's bucket 0 x20: past the mature threshold (x16), short of the early floor
     table = _table(rng, world)
     table[1][1] *= 20.0
     assert detector.test_learn_table(NAMES, table, learn=True) == []
@@ -137,3 +140,49 @@ def test_a_state_that_could_disarm_a_test_or_of_another_world_is_refused() -> No
         }
         with pytest.raises(ValueError, match="statistics state"):
             GradStatsDetector(4, StatsConfig()).load_state_dict(bad)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_headroom_is_the_largest_clean_excess_and_both_engines_record_it(world: int) -> None:
+    """What the floor is set from (:mod:`detection.stepcheck.headroom`): on every learnt step
+    past its reference's warm-up, the largest excess over the cross-rank median (3+ ranks) and
+    over a rank's running mean; a step with a finding is not measured (it is not clean)."""
+    warmup = 5
+    rng = random.Random(11)
+    tables = [_table(rng, world) for _ in range(40)]
+    loop, arrays = (
+        GradStatsDetector(world, StatsConfig(warmup=warmup), array_min=m) for m in (1 << 30, 0)
+    )
+    for table in tables:
+        assert loop.test_learn_table(NAMES, table, learn=True) == []
+        assert arrays.test_learn_table(NAMES, np.asarray(table), learn=True) == []
+    assert loop.headroom == arrays.headroom
+    temporal = loop.headroom.temporal
+    assert temporal.steps == len(tables) - warmup
+    assert 0 < temporal.excess < math.log(StatsConfig().floor_factor)
+    cross = loop.headroom.cross
+    if world < 3:
+        assert (cross.steps, cross.excess) == (0, -math.inf)
+    else:
+        by_hand = max(
+            (max(column) - statistics.median(column), name)
+            for table in tables[warmup:]
+            for name, column in zip(NAMES, zip(*map(_logs, table), strict=True), strict=True)
+        )
+        assert (cross.steps, (cross.excess, cross.statistic)) == (len(tables) - warmup, by_hand)
+        largest = [_largest_excess(t) for t in tables[warmup:]]
+        assert cross.reached[0] == sum(e >= math.log(2) for e in largest)  # steps past x2
+    before = (loop.headroom.cross.steps, loop.headroom.temporal.steps)
+    table = _table(rng, world)
+    table[1][1] *= 2.0**20  # a flip: named, not learnt, not measured
+    assert [f.rank for f in loop.test_learn_table(NAMES, table, learn=True)] == [1]
+    assert (loop.headroom.cross.steps, loop.headroom.temporal.steps) == before
+
+
+def _logs(row: list[float]) -> list[float]:
+    return [math.log(v) for v in row]
+
+
+def _largest_excess(table: list[list[float]]) -> float:
+    columns = zip(*map(_logs, table), strict=True)
+    return max(max(c) - statistics.median(c) for c in columns)
