@@ -11,6 +11,11 @@ the ranks. For an exponent bit the direction matters: a bit that was 0 multiplie
 towards zero, an error smaller than the element itself, below any threshold and harmless in the
 same proportion); the table shows both, and the rate over the raising flips.
 
+``--from-step S`` puts the first flip at step ``S`` (default 30; 1: from the job's first steps,
+where the statistics' references are still young and the checksums are armed by their derived
+bound). Beside the rate on the flip's own step, ``late`` counts flips whose rank an alarm named
+within the next three steps instead (the latency).
+
 Prints the table and writes a PNG plot (``--plot``, default ``detection_rate.png``).
 """
 
@@ -32,21 +37,27 @@ MODELS = ("tiny", "mlp")
 
 
 def cell_workloads(
-    world: int, faults: int, abft: bool | None, models: tuple[str, ...] = MODELS
+    world: int,
+    faults: int,
+    abft: bool | None,
+    models: tuple[str, ...] = MODELS,
+    start: int = 30,
+    abft_every: int | None = None,
 ) -> list[tuple[tuple[str, str, int], Workload]]:
-    """One job per (model, kind, bit): ``faults`` flips from step 30, every 3 steps."""
+    """One job per (model, kind, bit): ``faults`` flips from step ``start``, every 3 steps."""
     cells = []
     for model in models:
         for kind in KINDS:
             for bit in BITS:
-                specs = tuple(f"{kind}@{i % world}:{30 + 3 * i}:{bit}" for i in range(faults))
+                specs = tuple(f"{kind}@{i % world}:{start + 3 * i}:{bit}" for i in range(faults))
                 work = Workload(
                     model,  # type: ignore[arg-type]
                     seed=bit,
-                    steps=30 + 3 * faults,
+                    steps=start + 3 * faults,
                     inject=specs,
                     skip_update=True,
                     abft=abft,
+                    abft_every=abft_every,
                 )
                 cells.append(((model, kind, bit), work))
     return cells
@@ -55,12 +66,15 @@ def cell_workloads(
 def score(results: list[list[dict[str, Any]]], index: int) -> dict[str, int]:
     """Counts for one job: flips, raising flips, caught, caught among the raising ones."""
     alarms = {a["step"]: a["suspect_ranks"] for a in results[0][index]["alarms"]}
-    out = {"flips": 0, "raised": 0, "caught": 0, "caught_raised": 0}
+    out = {"flips": 0, "raised": 0, "caught": 0, "caught_raised": 0, "late": 0}
     for rank, per_rank in enumerate(results):
         for step, _spec, was_set in per_rank[index]["flips"]:
             caught = alarms.get(step) == [rank]
             out["flips"] += 1
             out["caught"] += caught
+            out["late"] += not caught and any(
+                rank in alarms.get(later, ()) for later in range(step + 1, step + 4)
+            )
             if not was_set:
                 out["raised"] += 1
                 out["caught_raised"] += caught
@@ -68,9 +82,9 @@ def score(results: list[list[dict[str, Any]]], index: int) -> dict[str, int]:
 
 
 def run_matrix(
-    world: int, faults: int, abft: bool | None
+    world: int, faults: int, abft: bool | None, start: int = 30, abft_every: int | None = None
 ) -> dict[tuple[str, str, int], dict[str, int]]:
-    cells = cell_workloads(world, faults, abft)
+    cells = cell_workloads(world, faults, abft, start=start, abft_every=abft_every)
     results = launch(run_many, world, [w for _, w in cells])
     return {key: score(results, i) for i, (key, _) in enumerate(cells)}
 
@@ -101,11 +115,20 @@ def table(matrix: dict[str, dict[tuple[str, str, int], dict[str, int]]]) -> str:
             caught = sum(c["caught"] for c in band)
             raised = sum(c["raised"] for c in band)
             caught_raised = sum(c["caught_raised"] for c in band)
+            late = sum(c.get("late", 0) for c in band)
             lines.append(
                 f"bits {low}-{high}: {caught}/{total} flips caught on their step with their rank "
                 f"({_pct(caught, total).strip()}); raising flips {caught_raised}/{raised} "
-                f"({_pct(caught_raised, raised).strip()})"
+                f"({_pct(caught_raised, raised).strip()}); {late} more named 1-3 steps late"
             )
+        for model in MODELS:
+            for kind in KINDS:
+                band = [c for (m, k, b), c in cells.items() if (m, k) == (model, kind) and b >= 27]
+                if band:
+                    got, total = sum(c["caught"] for c in band), sum(c["flips"] for c in band)
+                    lines.append(
+                        f"  {model} {kind}, bits 27-30: {got}/{total} ({_pct(got, total).strip()})"
+                    )
     lines.append("\ncell: all flips caught %, r = caught % among flips that raised the value")
     return "\n".join(lines)
 
@@ -158,8 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the counts as JSON")
     parser.add_argument("--no-abft", action="store_true", help="statistics only")
     parser.add_argument("--default-only", action="store_true", help="the default config only")
+    parser.add_argument(
+        "--from-step", type=int, default=30, help="step of the first flip (1: the first steps)"
+    )
+    parser.add_argument(
+        "--abft-every",
+        type=int,
+        default=None,
+        help="the checksums' budget (default: GuardConfig's rotation, each layer once every 8 "
+        "steps, so a one-off flip meets its layer's checksum on 1 step in 8; 1: full coverage)",
+    )
     args = parser.parse_args(argv)
     started = time.monotonic()
+    budget = "the default budget" if args.abft_every is None else f"abft_every={args.abft_every}"
+    print(f"flips from step {args.from_step}, every 3 steps; checksums: {budget}", flush=True)
     matrix: dict[str, dict[tuple[str, str, int], dict[str, int]]] = defaultdict(dict)
     modes: tuple[bool | None, ...] = (None, False)
     if args.no_abft or args.default_only:
@@ -168,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         for abft in modes:
             label = "default (statistics + ABFT)" if abft is None else "statistics only"
             mode = f"world size {world}, {label}"
-            matrix[mode] = run_matrix(world, args.faults, abft)
+            matrix[mode] = run_matrix(
+                world, args.faults, abft, start=args.from_step, abft_every=args.abft_every
+            )
             print(f"{mode}: done after {time.monotonic() - started:.0f} s", flush=True)
     print(table(matrix))
     plot(matrix, args.plot)

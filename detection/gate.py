@@ -42,6 +42,7 @@ __all__ = [
     "ProvenanceSink",
     "StepOutcome",
     "checkpoint_path",
+    "state_path",
 ]
 
 _log = logging.getLogger(__name__)
@@ -122,6 +123,16 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"ckpt-{step:06d}.pt"
 
 
+def state_path(checkpoint: Path | str) -> Path:
+    """Where the guard's state of a checkpoint file lies (:mod:`detection.guard.state`): beside
+    it, ``ckpt-000120.pt`` → ``ckpt-000120.sdcguard.pt``."""
+    path = Path(checkpoint)
+    return path.with_name(path.stem + _GUARD_STATE_SUFFIX)
+
+
+_GUARD_STATE_SUFFIX = ".sdcguard.pt"
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
@@ -168,6 +179,13 @@ class CheckpointGate:
         self._alarm: Alarm | None = None
         self._last: StepOutcome | None = None
         self._held_audit: dict[str, Any] | None = None
+        self._guard_state: Callable[[], dict[str, Any]] | None = None
+
+    def bind_guard_state(self, state: Callable[[], dict[str, Any]]) -> None:
+        """Write ``state()`` (the guard's learnt state, :mod:`detection.guard.state`) beside
+        every checkpoint: ``ckpt-<step>.sdcguard.pt``, with the step and fingerprint it belongs
+        to. The guard binds itself when given the gate."""
+        self._guard_state = state
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -268,6 +286,8 @@ class CheckpointGate:
                     else ""
                 )
             )
+        # taken once the step is decided (checked above): the state that step left
+        guard_state = self._guard_state() if self._guard_state is not None else None
         self.directory.mkdir(parents=True, exist_ok=True)
         final = checkpoint_path(self.directory, step)
         temp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
@@ -279,6 +299,10 @@ class CheckpointGate:
             os.replace(temp, final)
         finally:
             temp.unlink(missing_ok=True)
+        if guard_state is not None:
+            # the weights' fingerprint ties it to this checkpoint (read_state's caller checks)
+            fingerprint = self._last.fingerprint.hex()
+            self._write_guard_state(final, {**guard_state, "fingerprint": fingerprint})
         dir_fd = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
@@ -321,6 +345,21 @@ class CheckpointGate:
             )
         self._post_held_audit()
         return record
+
+    @staticmethod
+    def _write_guard_state(checkpoint: Path, state: dict[str, Any]) -> None:
+        """``state`` beside ``checkpoint``, atomically (a reader sees all of it or none)."""
+        import torch
+
+        final = state_path(checkpoint)
+        temp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        try:
+            torch.save(state, temp)
+            with temp.open("rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(temp, final)
+        finally:
+            temp.unlink(missing_ok=True)
 
     def _post_checkpoint(self, record: CheckpointRecord) -> None:
         """Tell the ledger about ``record``: as written (the ledger starts it ``pending``), or

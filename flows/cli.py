@@ -343,8 +343,10 @@ def demo(
     transient: Annotated[
         bool,
         typer.Option(
-            help="A one-off upset at an audited step instead of a persistent fault: the audit "
-            "names two nodes and the approver picks which to replace (with --approve-in-ui)."
+            help="A one-off upset of the faulty node's recomputation of its ring partner's "
+            "micro-batch at an audited step instead of a persistent fault: training stays "
+            "clean, the audit names the pair and the approver picks which to replace (with "
+            "--approve-in-ui)."
         ),
     ] = False,
     report: Annotated[Path | None, typer.Option(help="Write the report JSON here.")] = None,

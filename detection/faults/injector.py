@@ -106,7 +106,8 @@ class FaultInjector:
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
-        """Mark a partner recomputation: only persistent faults of this node apply inside."""
+        """Mark a partner recomputation: inside, this node's persistent faults apply, and a
+        transient fault only when its spec names the recomputation (``in=recompute``)."""
         previous = self._replay
         self._replay = True
         try:

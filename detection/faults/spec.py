@@ -5,8 +5,13 @@ Torch-free: the launcher and the control plane check a spec without a training s
 
 Two forms:
 
-* ``KIND@RANK:STEP[:BIT]`` — one transient fault in rank ``RANK``'s own computation at step
-  ``STEP`` (never in a replay that rank runs for a partner: a transient upset does not repeat).
+* ``KIND@RANK:STEP[:BIT][:in=recompute]`` — one transient fault in rank ``RANK``'s own
+  computation at step ``STEP`` (never in a replay that rank runs for a partner: a transient
+  upset does not repeat); with ``in=recompute``, in that rank's recomputation of its ring
+  partner's micro-batch at ``STEP`` instead (an audited step), while its own training step stays
+  clean: the upset strikes the auditor, not the audited. Only the kinds a recomputation runs
+  take it: ``act-flip`` (its forward) and ``grad-flip``/``grad-nan`` (its gradient, in gradient
+  audits). ``in=own`` is the default, spelled out.
 * ``KIND@node=NAME[:from=STEP]`` — a persistent fault of node ``NAME``: every process on that
   node suffers it at every step from ``STEP`` (default 0), audit replays included.
 
@@ -38,6 +43,8 @@ from enum import StrEnum
 
 __all__ = [
     "DEFAULT_BIT",
+    "RECOMPUTED_KINDS",
+    "Computation",
     "FaultInjectionError",
     "FaultKind",
     "FaultSpec",
@@ -52,7 +59,7 @@ DEFAULT_BIT = 30
 _STRIDE = 7919
 
 
-_ONE_SHOT = re.compile(r"^(?P<rank>\d+):(?P<step>\d+)(?::(?P<bit>\d+))?$")
+_ONE_SHOT = re.compile(r"^(?P<rank>\d+):(?P<step>\d+)(?::(?P<bit>\d+))?(?::in=(?P<where>[a-z]+))?$")
 
 
 _PERSISTENT = re.compile(r"^node=(?P<node>[^:/\s]+)(?::from=(?P<step>\d+))?$")
@@ -69,6 +76,19 @@ class FaultKind(StrEnum):
     OPTIM_FLIP = "optim-flip"
 
 
+class Computation(StrEnum):
+    """Which computation of its rank a transient fault strikes (``:in=…``)."""
+
+    OWN = "own"
+    """The rank's own training step (the default)."""
+    RECOMPUTE = "recompute"
+    """The rank's recomputation of its ring partner's micro-batch, at an audited step."""
+
+
+#: The kinds a recomputation runs: its forward and, in a gradient audit, its local gradient.
+RECOMPUTED_KINDS = frozenset({FaultKind.ACT_FLIP, FaultKind.GRAD_FLIP, FaultKind.GRAD_NAN})
+
+
 class FaultSpecError(ValueError):
     """A ``--inject`` spec is malformed; the message quotes it and says what is wrong."""
 
@@ -80,7 +100,8 @@ class FaultInjectionError(RuntimeError):
 @dataclass(frozen=True)
 class FaultSpec:
     """One parsed ``--inject`` spec. Exactly one of ``rank`` (transient) and ``node``
-    (persistent) is set; ``step`` is the transient step or the first persistent step."""
+    (persistent) is set; ``step`` is the transient step or the first persistent step;
+    ``computation`` is what a transient fault strikes (a persistent one strikes both)."""
 
     kind: FaultKind
     step: int
@@ -88,6 +109,7 @@ class FaultSpec:
     node: str | None = None
     bit: int = DEFAULT_BIT
     module: str | None = None
+    computation: Computation = Computation.OWN
 
     @property
     def persistent(self) -> bool:
@@ -128,34 +150,57 @@ class FaultSpec:
                 step=int(one_shot["step"]),
                 bit=bit,
                 module=module or None,
+                computation=_computation(text, kind, one_shot["where"]),
             )
         persistent = _PERSISTENT.match(target)
         if persistent:
             step = int(persistent["step"]) if persistent["step"] is not None else 0
             return cls(kind=kind, node=persistent["node"], step=step, module=module or None)
         raise FaultSpecError(
-            f"fault spec {text!r}: target {target!r} is neither RANK:STEP[:BIT] "
+            f"fault spec {text!r}: target {target!r} is neither RANK:STEP[:BIT][:in=recompute] "
             "nor node=NAME[:from=STEP]"
         )
 
     def applies(self, *, rank: int, node: str, step: int, replay: bool) -> bool:
         """Whether this fault strikes that rank's computation at ``step``.
 
-        A replay is a recomputation a rank runs for its audit partner: only the node's
-        persistent faults reach it.
+        A replay is a recomputation a rank runs for its audit partner: the node's persistent
+        faults reach it, and a transient fault only when it names it (``in=recompute``) — then
+        it does not reach the rank's own step.
         """
         if self.node is not None:
             return node == self.node and step >= self.step
-        return not replay and rank == self.rank and step == self.step
+        in_replay = self.computation is Computation.RECOMPUTE
+        return replay == in_replay and rank == self.rank and step == self.step
 
     def __str__(self) -> str:
         where = (
             f"node={self.node}:from={self.step}"
             if self.node is not None
             else f"{self.rank}:{self.step}:{self.bit}"
+            + (":in=recompute" if self.computation is Computation.RECOMPUTE else "")
         )
         suffix = f"/{self.module}" if self.module else ""
         return f"{self.kind}@{where}{suffix}"
+
+
+def _computation(text: str, kind: FaultKind, where: str | None) -> Computation:
+    """The ``in=`` field of a transient spec: ``own`` (the default) or ``recompute``, the
+    latter only for a kind a recomputation runs."""
+    if where is None:
+        return Computation.OWN
+    try:
+        computation = Computation(where)
+    except ValueError:
+        raise FaultSpecError(
+            f"fault spec {text!r}: in={where} names no computation (own or recompute)"
+        ) from None
+    if computation is Computation.RECOMPUTE and kind not in RECOMPUTED_KINDS:
+        raise FaultSpecError(
+            f"fault spec {text!r}: a recomputation runs no {kind} (it has no all-reduce, "
+            "optimizer step or update): in=recompute takes act-flip, grad-flip or grad-nan"
+        )
+    return computation
 
 
 def element_index(step: int, numel: int) -> int:

@@ -3,8 +3,9 @@
 The guard keeps the training-loop protocol and wires every layer into a step: the comm hook
 (:mod:`~detection.guard.comm_hook`), the audit (:mod:`~detection.guard.audit_wiring`), the
 calibration (:mod:`~detection.guard.calibration_wiring`), the row and the decision every rank
-reaches from it (:mod:`~detection.guard.decision`, :mod:`~detection.guard.carry`), and the
-diagnostic trace mode of a diagnostic run (:mod:`~detection.guard.trace_mode`).
+reaches from it (:mod:`~detection.guard.decision`, :mod:`~detection.guard.carry`), the
+diagnostic trace mode of a diagnostic run (:mod:`~detection.guard.trace_mode`), and the learnt
+state that travels with a checkpoint (:mod:`~detection.guard.state`).
 
 Names are imported on first use: the control plane reads :mod:`~detection.guard.trace_mode`'s
 variable names and markers without torch.

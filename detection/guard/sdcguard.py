@@ -109,6 +109,7 @@ from detection.guard.decision import (
 )
 from detection.guard.sharded import ShardedGuard
 from detection.guard.sharding import is_sharded
+from detection.guard.state import load_state, state_of
 from detection.guard.trace_mode import TraceMode
 from detection.row.gather import GatherInFlight
 from detection.row.words import loss_word, on_host
@@ -254,6 +255,8 @@ class SDCGuard:
         self.gate = gate
         if gate is not None and self.trace_mode is not None:
             gate._sink = None  # a replay records no checkpoint
+        if gate is not None:
+            gate.bind_guard_state(self.state_dict)  # written beside each checkpoint
         self.job_id = job_id
 
     def _take_parameters(self, ddp: DistributedDataParallel) -> None:
@@ -594,6 +597,26 @@ class SDCGuard:
         self._check_before_update(current)
         if current.audit:
             self._run_audit(current)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The per-step layer's learnt state (:mod:`detection.guard.state`): the same on every
+        rank; save it with the checkpoint (a :class:`CheckpointGate` writes it beside the
+        checkpoint), so a resumed job is armed at its first step. Call between steps, once the
+        last one is decided (with ``defer_decision``, after :meth:`flush` on every rank)."""
+        if self._current is not None or self._undecided is not None:
+            raise GuardUsageError(
+                "guard.state_dict() while a step is open or undecided: call it between steps, "
+                "after guard.flush() on every rank with defer_decision"
+            )
+        return state_of(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over a :meth:`state_dict` (on every rank, before the first resumed step); a
+        state of another world size or model raises :class:`GuardConfigError`."""
+        if self._current is not None:
+            raise GuardUsageError("guard.load_state_dict() inside a step: call it between steps")
+        self.flush()
+        load_state(self, state)
 
     def verify_loaded(self, expected: Fingerprint | str) -> Fingerprint:
         """After loading a checkpoint: every replica's weights equal the recorded fingerprint

@@ -72,6 +72,7 @@ class TrainConfig:
     halt_on_alarm: bool = False
     abft: bool | None = None  # None: GuardConfig's default (on for the eager model)
     abft_every: int | None = None  # None: GuardConfig's checksum budget; 1: every layer, step
+    step_checks: bool = True  # the per-step layer (tests of the other layers turn it off)
     skip_update_on_alarm: bool = False
     defer_decision: bool = False
     hold_after_halt_s: float = 0.0

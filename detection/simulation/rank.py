@@ -35,7 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from detection.audit.ring import AuditMode, seed_rng, step_seed
 from detection.gate import CheckpointGate, StepOutcome
-from detection.guard import GuardConfig, SDCGuard
+from detection.guard import GuardConfig, GuardConfigError, SDCGuard
+from detection.guard.state import read_state
 from detection.identity import RankIdentity
 from detection.simulation.config import (
     KEY_ID_ENV,
@@ -76,6 +77,7 @@ def guard_config_of(config: TrainConfig) -> GuardConfig:
         halt_on_alarm=config.halt_on_alarm,
         inject=injected_faults(config),
         abft=config.abft,
+        step_checks=config.step_checks,
         skip_update_on_alarm=config.skip_update_on_alarm,
         defer_decision=config.defer_decision,
         abft_every=GuardConfig.abft_every if config.abft_every is None else config.abft_every,
@@ -227,6 +229,8 @@ def _set_up(rank: int, config: TrainConfig, secret: str | None) -> _Job:
         rank, config, nodes, model, optimizer, ddp, microbatch, start, capture, sender, gate, None
     )
     job.guard = _guard(job)
+    if job.guard is not None and config.resume_from is not None:
+        _load_guard_state(job.guard, config.resume_from, expected, job.extra)
     return job
 
 
@@ -241,6 +245,24 @@ def _resume(
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"]) + 1, str(state["fingerprint"])
+
+
+def _load_guard_state(
+    guard: SDCGuard, checkpoint: Path, fingerprint: str | None, extra: dict[str, Any]
+) -> None:
+    """The per-step layer's learnt state written beside ``checkpoint`` (the gate writes it),
+    so the resumed job is armed at its first step; a checkpoint without one starts learning."""
+    state = read_state(checkpoint)
+    if state is None:
+        _log.info("no guard state beside %s: the statistics learn afresh", checkpoint, extra=extra)
+        return
+    if fingerprint is not None and state.get("fingerprint") != fingerprint:
+        raise GuardConfigError(
+            f"the guard state beside {checkpoint} belongs to other weights (fingerprint "
+            f"{state.get('fingerprint')}, the checkpoint's {fingerprint})"
+        )
+    guard.load_state_dict(state)
+    _log.info("guard state of step %s loaded", state.get("step"), extra=extra)
 
 
 def _guard(job: _Job) -> SDCGuard | None:

@@ -115,7 +115,8 @@ def _build(work: Workload) -> tuple[nn.Module, Callable[[int, int, int], Batch],
 
 
 def run_guarded(rank: int, world_size: int, work: Workload) -> dict[str, Any]:
-    """Run ``work`` in this rank; return alarms, skipped steps and the faults that struck."""
+    """Run ``work`` in this rank; return alarms, skipped steps, the faults that struck and the
+    statistics' headroom (how close clean steps came to the floor: the same on every rank)."""
     module, batch, loss_fn = _build(work)
     ddp = DistributedDataParallel(module)
     ddp.reducer._push_all_rebuilt_params()  # one bucket layout from the first step on
@@ -165,6 +166,7 @@ def run_guarded(rank: int, world_size: int, work: Workload) -> dict[str, Any]:
         "injected": list(guard.injector.injected) if guard.injector is not None else [],
         "flips": list(guard.injector.flips) if guard.injector is not None else [],
         "fingerprint": weight_fingerprint(list(module.parameters())).hex(),
+        "headroom": guard.checks.detector.headroom.to_dict(work.stats.floor_factor),
     }
 
 

@@ -22,8 +22,11 @@ Kinds and identities (``M`` rows: every position of the batch; ``dy`` the output
 Tolerance of a gradient comparison: ``|got - expected| / (u · √M · Σ|terms|)``, with ``u`` the
 unit roundoff of the gradient's dtype, the sum of the terms' magnitudes taken in the same pass;
 for a normalisation weight the magnitude also carries ``Σ|dy|``, which bounds the rounding of
-the recomputed ``x̂`` (``|Δx̂| ≲ u``). A layer kind not listed (or an ``Embedding`` with
-``max_norm``, ``sparse`` or ``scale_grad_by_freq``, a ``SyncBatchNorm``) is not checked.
+the recomputed ``x̂`` (``|Δx̂| ≲ u``). Every ratio is then divided by its rounding bound
+(:func:`detection.stepcheck.abft_bound.tolerance` of its lengths and dtypes), so it reads in
+units of that bound: at most 1 for clean arithmetic, from the first step, with nothing learnt.
+A layer kind not listed (or an ``Embedding`` with ``max_norm``, ``sparse`` or
+``scale_grad_by_freq``, a ``SyncBatchNorm``) is not checked.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from detection import native
+from detection.stepcheck.abft_bound import compute_unit, tolerance
 
 __all__ = [
     "TINY",
@@ -85,17 +89,35 @@ class Expectation:
     magnitude: torch.Tensor
     rows: int
     u: float
+    width: int = 1  # the checksum's sums across the other dimension (abft_bound)
+    u_c: float = 0.0  # the unit of the inputs' rounding in the forward (abft_bound)
+    u_a: float = 0.0  # the unit the layer's backward accumulates in, beyond float32's
 
-    def add(self, value: torch.Tensor, magnitude: torch.Tensor, rows: int, u: float) -> None:
+    def add(
+        self,
+        value: torch.Tensor,
+        magnitude: torch.Tensor,
+        rows: int,
+        u: float,
+        width: int = 1,
+        u_c: float = 0.0,
+        u_a: float = 0.0,
+    ) -> None:
         self.value = self.value + value
         self.magnitude = self.magnitude + magnitude
         self.rows += rows
         self.u = max(self.u, u)
+        self.width = max(self.width, width)
+        self.u_c = max(self.u_c, u_c)
+        self.u_a = max(self.u_a, u_a)
 
     def factor(self) -> float:
-        """What :meth:`scale` multiplies the magnitude by: a caller that compares several
-        expectations with the same factor scales them in one op."""
-        return self.u * math.sqrt(max(self.rows, 1))
+        """What :meth:`scale` multiplies the magnitude by — ``u·√rows`` times the rounding
+        bound of :func:`~detection.stepcheck.abft_bound.tolerance` — : a caller that compares
+        several expectations with the same factor scales them in one op."""
+        rows = max(self.rows, 1)
+        bound = tolerance(rows, self.width, self.u, self.u_c, self.u_a)
+        return self.u * math.sqrt(rows) * bound
 
     def scale(self) -> torch.Tensor:
         return self.magnitude * self.factor()
@@ -113,6 +135,7 @@ class LayerCheck:
         self.owner = owner
         self._expected: dict[bool, Expectation] = {}
         self._unchecked = False  # a call this step could not be followed: skip the gradient
+        self.u_c = 0.0  # the rounding unit of the inputs of the call being checked
         self.begin()
 
     def install(self) -> Any:
@@ -136,6 +159,9 @@ class LayerCheck:
             return
         if output.numel() == 0:  # an empty batch adds nothing to either identity
             return
+        first = inputs[0] if inputs and isinstance(inputs[0], torch.Tensor) else output
+        # taken here, inside the loop's autocast (the checksums' own products leave it)
+        u_c = self.u_c = compute_unit(output.device.type, first.dtype)
         with torch.no_grad(), _full_precision(output.device.type):
             saved = self.forward(inputs, output)
         if not output.requires_grad or self.shared:
@@ -143,11 +169,12 @@ class LayerCheck:
         if saved is None:
             self._unchecked = True
             return
-        output.register_hook(self._grad_hook(saved))
+        output.register_hook(self._grad_hook(saved, u_c))
 
-    def _grad_hook(self, saved: Any) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(self, saved: Any, u_c: float) -> Callable[[torch.Tensor], None]:
         def hook(dy: torch.Tensor) -> None:
             if self.owner.is_open:
+                self.u_c = u_c  # the backward's products are of the forward's rounded inputs
                 with torch.no_grad(), _full_precision(dy.device.type):
                     self.backward(saved, dy.detach())
 
@@ -163,12 +190,18 @@ class LayerCheck:
         magnitude: torch.Tensor,
         rows: int,
         dtype: torch.dtype,
+        width: int = 1,
     ) -> None:
+        # a GEMM accumulates in float32; the other kernels' reductions (a normalisation's or an
+        # embedding's backward) may in the gradient's own dtype (a CPU's bf16 LayerNorm does)
+        u_a = 0.0 if isinstance(self, LinearCheck) else unit(dtype)
         current = self._expected.get(is_weight)
         if current is None:
-            self._expected[is_weight] = Expectation(value, magnitude, rows, unit(dtype))
+            self._expected[is_weight] = Expectation(
+                value, magnitude, rows, unit(dtype), width, self.u_c, u_a
+            )
         else:
-            current.add(value, magnitude, rows, unit(dtype))
+            current.add(value, magnitude, rows, unit(dtype), width, self.u_c, u_a)
 
     def expected(self, is_weight: bool) -> Expectation | None:
         return None if self._unchecked else self._expected.get(is_weight)
@@ -259,9 +292,10 @@ class LinearCheck(LayerCheck):
         xf = x2.float()
         n = output.shape[-1]
         u = unit(output.dtype)
+        t = tolerance(k, n, u, self.u_c)  # the rounding bound, in units of u·√K·m (abft_bound)
         if isinstance(sums, torch.Tensor):
             y2 = output.detach().reshape(-1, n).float()
-            c = u * math.sqrt(k)
+            c = u * math.sqrt(k) * t
             if native.abft_ok(xf, y2):
                 # on a CPU: one pass over x and y, the same ratio; nothing read back to Python
                 c_bound = c * math.sqrt(y2.shape[1])
@@ -283,10 +317,10 @@ class LinearCheck(LayerCheck):
             rows = y2.sum(-1, dtype=torch.float32)
             if b_sum is not None:
                 rows = rows.sub_(b_sum)
-        # (y.sum(-1) - Σb - x @ W.sum(0)) / u in one call: 1/u is a power of two, so the
-        # scaling is exact, and u·√K·(‖x_row‖₂·√N‖W‖_F + |b|.sum()) + u·TINY is then
+        # (y.sum(-1) - Σb - x @ W.sum(0)) / (u·t) in one call, t the derived rounding bound:
+        # u·t·√K·(‖x_row‖₂·√N‖W‖_F + |b|.sum()) + u·t·TINY is then
         # √K·√N·‖x_row‖₂·‖W‖_F + (√K·|b|.sum() + TINY): one addcmul of the step's bias term
-        residual = torch.addmv(rows, xf, col, beta=1.0 / u, alpha=-1.0 / u)
+        residual = torch.addmv(rows, xf, col, beta=1.0 / (u * t), alpha=-1.0 / (u * t))
         row_norms = torch.linalg.vector_norm(xf, dim=-1)
         scale = torch.addcmul(bias_term, row_norms, w_norm, value=math.sqrt(k) * math.sqrt(n))
         # max |residual| / scale: vector_norm(inf) takes the magnitudes and propagates a NaN
@@ -311,8 +345,8 @@ class LinearCheck(LayerCheck):
             dy_norm = torch.linalg.vector_norm(d2)
         _, zero, _ = self.constants(d2.device, 0)
         weight_magnitude = torch.addcmul(zero, x_frobenius, dy_norm, value=math.sqrt(n))
-        self.expect(True, torch.mv(xf.t(), r), weight_magnitude, rows, dy.dtype)
-        self.expect(False, r.sum(), dy_norm * math.sqrt(n * rows), rows, dy.dtype)
+        self.expect(True, torch.mv(xf.t(), r), weight_magnitude, rows, dy.dtype, n)
+        self.expect(False, r.sum(), dy_norm * math.sqrt(n * rows), rows, dy.dtype, n)
 
     def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
         if not is_weight:
@@ -389,7 +423,8 @@ class EmbeddingCheck(LayerCheck):
         rows, rows_abs = self._rows
         y2 = output.detach().reshape(-1, d).float()
         residual = (y2.sum(-1) - rows[index]).abs()
-        scale = rows_abs[index] * (unit(output.dtype) * math.sqrt(d)) + TINY
+        u = unit(output.dtype)
+        scale = rows_abs[index] * (u * math.sqrt(d) * tolerance(d, d, u, self.u_c)) + TINY
         self.note_forward((residual / scale).amax())
         return index
 
@@ -398,7 +433,9 @@ class EmbeddingCheck(LayerCheck):
         padding = getattr(self.module, "padding_idx", None)
         if padding is not None:
             d2 = d2 * saved.ne(padding).unsqueeze(1)
-        self.expect(True, d2.sum(0), d2.abs().sum(0), d2.shape[0], dy.dtype)
+        # the comm hook's column sums run over the vocabulary's rows, of which at most M are not
+        # zero (adding a zero is exact): a width of M
+        self.expect(True, d2.sum(0), d2.abs().sum(0), d2.shape[0], dy.dtype, d2.shape[0])
 
     def reduce(self, gradient: torch.Tensor, is_weight: bool) -> torch.Tensor:
         return gradient.sum(0)

@@ -207,8 +207,6 @@ class StepChecks:
         self.abft = (
             LinearChecksums(module, self.params, every=abft_every) if abft and enabled else None
         )
-        self._abft_clean: list[float] = []
-        self._abft_tau: list[float] | None = None
         self._check_reduction = check_reduction
         self._state = OptimizerStateCheck()
         self._state_flags = [StateFlag(opt, self.params, self.device) for opt in self.optimizers]
@@ -224,6 +222,22 @@ class StepChecks:
     def close(self) -> None:
         if self.abft is not None:
             self.abft.close_hooks()
+
+    # -- learnt state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What this layer learnt (:mod:`detection.guard.state`): the statistics' references;
+        the checksums learn nothing (their tolerance is derived), so only their layers' names."""
+        return {
+            "gradstats": self.detector.state_dict(),
+            "abft_layers": self.abft.names if self.abft is not None else [],
+            "tested_steps": self.tested_steps,
+            "nonfinite_steps": self.nonfinite_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.detector.load_state_dict(state["gradstats"])
+        self.tested_steps = int(state["tested_steps"])
+        self.nonfinite_steps = int(state["nonfinite_steps"])
 
     # -- the comm hook's calls ------------------------------------------------------------------
     def on_local(self, key: int, bucket: dist.GradBucket) -> torch.Tensor | None:
@@ -475,7 +489,9 @@ class StepChecks:
             abft = self._abft_finding(ratios)
             if abft is not None:
                 found.append(abft)
-        self.detector.reset_if_layout_changed(n_buckets)
+        # the buckets' sizes name the layout (a count alone misses DDP's rebuilt buckets)
+        layout = tuple(numel) if len(numel) == n_buckets else n_buckets
+        self.detector.reset_if_layout_changed(layout)
         names = _statistic_names(n_buckets)
         clean = not found  # the histories learn a step no layer found anything in
         stats = self.detector.test_learn_table(names, step.values, learn=clean)
@@ -501,31 +517,22 @@ class StepChecks:
                     },
                 )
             )
-        if not found and self.abft is not None and self._abft_tau is None:
-            self._learn_abft(ratios)
         return found
 
-    def _learn_abft(self, ratios: Sequence[Sequence[float]]) -> None:
-        column = [max(r[i] for r in ratios) for i in range(len(ratios[0]))] if ratios else []
-        if not self._abft_clean:
-            self._abft_clean = [0.0] * len(column)
-        self._abft_clean = [max(a, b) for a, b in zip(self._abft_clean, column, strict=True)]
-        if self.detector.steps_learnt >= self.config.warmup:
-            self._abft_tau = [
-                max(self.config.abft_margin * c, self.config.abft_floor) for c in self._abft_clean
-            ]
-
     def _abft_finding(self, ratios: Sequence[Sequence[float]]) -> StepCheckFinding | None:
-        tau = self._abft_tau
-        if tau is None or self.abft is None:
+        """The checksums' finding: a ratio above ``abft_margin`` (every ratio is counted in
+        units of its own rounding bound, :mod:`detection.stepcheck.abft_bound`, so one tolerance for
+        all, from the first step, learnt from nothing)."""
+        if self.abft is None:
             return None
+        tau = self.config.abft_margin
         worst: tuple[float, int, int] | None = None
         suspects = set()
         for rank, per in enumerate(ratios):
             for i, value in enumerate(per):
-                if value > tau[i]:
+                if value > tau:
                     suspects.add(rank)
-                    score = value / tau[i] if math.isfinite(value) else math.inf
+                    score = value / tau if math.isfinite(value) else math.inf
                     if worst is None or score > worst[0]:
                         worst = (score, rank, i)
         if worst is None:
@@ -541,8 +548,8 @@ class StepChecks:
                 "check": "forward row checksum" if direction == 0 else "weight-gradient checksum",
                 "module": self.abft.names[layer],
                 "statistic": value if math.isfinite(value) else "inf",
-                "threshold": tau[i],
-                "tolerance": "tau * u * sqrt(K) * (|x| @ colsum|W| + sum|b|), bounded from norms",
+                "threshold": tau,
+                "tolerance": "tau * the rounding bound of the layer's arithmetic (abft_bound)",
                 "evidence": "algebraic, on the suspect rank's own computation",
             },
         )

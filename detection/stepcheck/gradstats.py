@@ -22,13 +22,28 @@ Both tests are one-sided: a flip that raises a value raises a norm, one that low
 (an exponent bit going 1 → 0) shrinks an element towards zero and moves the bucket by less than
 that element — below any statistical threshold, and harmless in the same proportion.
 
-Calibration: the first ``warmup`` guarded steps only learn (running averages with weight
-``1/n``, then an exponential average with weight ``alpha``). A statistic's history is updated
-only on steps with no finding of this layer, so a flip never inflates its own reference.
+Armed from the first step: while a reference holds fewer than ``warmup`` clean steps (running
+averages with weight ``1/n``, then an exponential average with weight ``alpha``) its test speaks
+with the conservative floor ``log E`` (``early_factor``, 64) in place of ``log F``: the
+cross-rank test against the same step's median from step 0 (the spread learnt so far, 0 at
+first, times ``k``), the temporal test from the rank's second step on. A raising bit-30 flip
+(a factor 2¹²⁸) is far beyond either; what the early floor gives up is the low factors the learnt
+spread will allow later.
+
+Learning is robust: a step with any finding (of any layer) is not learnt, and while a reference
+is young a value beyond the *mature* threshold ``max(k · s, log F)`` — above what the reference
+would accept once learnt, below the early floor that names a rank — is not learnt either: it is
+neither named (one young reference is no evidence against a rank) nor taken for normal (it
+would inflate the mean and spread every later test reads). A temporal excess on more than half
+the ranks is the job's dynamics and is learnt, as it is never named. So a fault in the first
+steps cannot widen any threshold: it is either named, or kept out of the reference.
 ``k`` multiplies a *measured* spread: data differ per rank and per model, a fixed constant on
-raw norms would be wrong for both. The cost in sensitivity: a flip is caught when it raises
-a bucket's norm by more than ``exp(max(k·s, log F))``; with the defaults (``k = 16``,
-``F = 8``) and a clean spread ``s`` of 0.05-0.15 that is a factor of 8-11.
+raw norms would be wrong for both. The floor ``F`` is not scaled by a spread, so it is set
+above the largest excess clean steps were measured to reach (a heavy tail the averaged spread
+does not follow: :mod:`detection.stepcheck.headroom`, ``docs/detection-design.md``). The cost
+in sensitivity: a flip is caught when it raises a bucket's norm by more than
+``exp(max(k·s, log F))``; with the defaults (``k = 16``, ``F = 16``) and a clean spread ``s``
+of 0.05-0.15 that is a factor of 16.
 """
 
 from __future__ import annotations
@@ -43,6 +58,7 @@ import torch
 
 from detection import native
 from detection.stepcheck.allreduce import bucket_norm, chunked_sum, native_chunk
+from detection.stepcheck.headroom import Headroom
 
 __all__ = [
     "BUCKET_FIELDS",
@@ -69,18 +85,21 @@ class StatsConfig:
 
     ``k``: threshold in units of the calibrated spread. ``floor_factor``: a statistic must at
     least be multiplied by this factor to be named, whatever its spread (a statistic that never
-    moves would otherwise fire on rounding noise). ``warmup``: clean steps learnt before the
-    tests speak. ``alpha``: weight of a new clean step in the running averages after warm-up.
-    ``abft_margin``, ``abft_floor``: the ABFT tolerance ``τ`` of a layer is
-    ``max(abft_margin · largest clean ratio seen in warm-up, abft_floor)``.
+    moves would otherwise fire on rounding noise). ``warmup``: clean steps a reference learns
+    before its tests take the learnt threshold. ``alpha``: weight of a new clean step in the
+    running averages after warm-up.
+    ``early_factor``: the floor in place of ``floor_factor`` while a reference holds fewer than
+    ``warmup`` clean steps (the tests speak from the first step). ``abft_margin``: the ABFT
+    tolerance ``τ`` of every layer, in units of its rounding bound derived from the arithmetic
+    (:mod:`detection.stepcheck.abft_bound`; 1: the bound itself), the same from the first step.
     """
 
     k: float = 16.0
-    floor_factor: float = 8.0
+    floor_factor: float = 16.0
     warmup: int = 25
     alpha: float = 0.05
-    abft_margin: float = 8.0
-    abft_floor: float = 1.0
+    early_factor: float = 64.0
+    abft_margin: float = 1.0
 
     def __post_init__(self) -> None:
         problems = [
@@ -88,8 +107,11 @@ class StatsConfig:
             (self.floor_factor > 1, f"floor_factor must be > 1, got {self.floor_factor}"),
             (self.warmup >= 1, f"warmup must be ≥ 1, got {self.warmup}"),
             (0 < self.alpha <= 1, f"alpha must lie in (0, 1], got {self.alpha}"),
+            (
+                self.early_factor >= self.floor_factor,
+                f"early_factor must be ≥ floor_factor, got {self.early_factor}",
+            ),
             (self.abft_margin >= 1, f"abft_margin must be ≥ 1, got {self.abft_margin}"),
-            (self.abft_floor > 0, f"abft_floor must be > 0, got {self.abft_floor}"),
         ]
         for ok, message in problems:
             if not ok:
@@ -254,6 +276,8 @@ class ScalarTests:
     steps_learnt: int = 0
     _temporal: dict[tuple[int, str], _History] = field(default_factory=dict)
     _spread: dict[str, _History] = field(default_factory=dict)
+    _mature: bool = False  # every reference holds ``warmup`` steps: no young-value gate
+    headroom: Headroom = field(default_factory=Headroom)  # clean excesses (measurement only)
 
     @property
     def calibrated(self) -> bool:
@@ -263,9 +287,7 @@ class ScalarTests:
         return {key: (h.mean, h.dev, h.n) for key, h in sorted(self._temporal.items())}
 
     def test(self, values: Sequence[dict[str, float]]) -> list[StatFinding]:
-        """The findings of this step (empty while calibrating), at most one per rank."""
-        if not self.calibrated:
-            return []
+        """The findings of this step, at most one per rank."""
         return self._test_logs(*_logs_of(values))
 
     def test_rows(
@@ -279,7 +301,7 @@ class ScalarTests:
         logs = [
             [(j, log(max(abs(v), tiny))) for j, v in enumerate(row) if isfinite(v)] for row in rows
         ]
-        found = self._test_logs(names, logs) if self.calibrated else []
+        found = self._test_logs(names, logs)
         if learn and not found:
             self._learn_logs(names, logs)
         return found
@@ -291,7 +313,7 @@ class ScalarTests:
         cross-rank against the median of three or more ranks, temporal against the rank's own
         history; each rank's worst (:func:`worst_per_rank`)."""
         cfg = self.config
-        floor = math.log(cfg.floor_factor)
+        floor, early = math.log(cfg.floor_factor), math.log(cfg.early_factor)
         cross: list[StatFinding] = []
         if self.world_size >= 3:
             for name, xs in sorted((names[j], xs) for j, xs in _by_column(logs).items()):
@@ -300,7 +322,8 @@ class ScalarTests:
                 median = statistics.median(v for _, v in xs)
                 spread = self._spread.get(name)
                 scale = spread.mean if spread is not None else 0.0
-                threshold = max(cfg.k * scale, floor)
+                young = spread is None or spread.n < cfg.warmup
+                threshold = max(cfg.k * scale, early if young else floor)
                 for r, v in xs:
                     if v - median > threshold:
                         cross.append(
@@ -311,9 +334,9 @@ class ScalarTests:
         for r, x in enumerate(logs):
             for j, v in x:
                 history = get((r, names[j]))
-                if history is None or history.n < warmup:
+                if history is None or not history.n:
                     continue
-                threshold = max(k * history.dev, floor)
+                threshold = max(k * history.dev, floor if history.n >= warmup else early)
                 if v - history.mean > threshold:
                     temporal.append(
                         stat_finding(
@@ -328,28 +351,101 @@ class ScalarTests:
         self, names: Sequence[str], logs: Sequence[Sequence[tuple[int, float]]]
     ) -> None:
         """Fold a clean step's logs into the histories: each rank's own, and with three or more
-        ranks the spread (scaled median absolute deviation) of each column."""
+        ranks the spread (scaled median absolute deviation) of each column; while a reference is
+        young, a value beyond its mature threshold is left out (:meth:`_outliers`)."""
         cfg = self.config
         alpha, warmup, temporal = cfg.alpha, cfg.warmup, self._temporal
+        kept, columns = self._outliers(names, logs) if not self._mature else (set(), set())
+        peak, peak_name = -math.inf, ""
         for r, x in enumerate(logs):
             for j, v in x:
+                if (r, j) in kept:
+                    continue
                 history = temporal.get((r, names[j]))
                 if history is None:
                     history = temporal[(r, names[j])] = _History()
+                elif history.n >= warmup and v - history.mean > peak:
+                    peak, peak_name = v - history.mean, names[j]
                 history.update(v, alpha, warmup)
+        self.headroom.temporal.note(peak, peak_name)
         if self.world_size >= 3:
+            peak, peak_name = -math.inf, ""
             for j, ranked in _by_column(logs).items():
-                if len(ranked) < 3:
+                if len(ranked) < 3 or j in columns:
                     continue
                 xs = [v for _, v in ranked]
                 median = statistics.median(xs)
                 mad = MAD_TO_SIGMA * statistics.median(abs(v - median) for v in xs)
-                self._spread.setdefault(names[j], _History()).update(mad, alpha, warmup)
+                spread = self._spread.setdefault(names[j], _History())
+                if spread.n >= warmup and max(xs) - median > peak:
+                    peak, peak_name = max(xs) - median, names[j]
+                spread.update(mad, alpha, warmup)
+            self.headroom.cross.note(peak, peak_name)
         self.steps_learnt += 1
+        if self.steps_learnt >= warmup and not self._mature:
+            # as the arrays count it: a history for every rank and column, a spread for every
+            # column with 3+ ranks, each of ``warmup`` steps
+            spreads = self._spread.values() if self.world_size >= 3 else ()
+            self._mature = (
+                len(temporal) == self.world_size * len(names)
+                and all(h.n >= warmup for h in temporal.values())
+                and (self.world_size < 3 or len(self._spread) == len(names))
+                and all(h.n >= warmup for h in spreads)
+            )
+
+    def _outliers(
+        self, names: Sequence[str], logs: Sequence[Sequence[tuple[int, float]]]
+    ) -> tuple[set[tuple[int, int]], set[int]]:
+        """The values a young reference does not learn: ``(rank, column)`` beyond the mature
+        threshold ``max(k · s, log F)`` of its young temporal history (unless more than half
+        the ranks are, the job's dynamics) or of its column's young cross-rank spread, and the
+        columns whose spread is not learnt (one of their values was a cross-rank outlier)."""
+        cfg = self.config
+        floor, warmup, k = math.log(cfg.floor_factor), cfg.warmup, cfg.k
+        temporal: list[tuple[int, int]] = []
+        for r, x in enumerate(logs):
+            for j, v in x:
+                h = self._temporal.get((r, names[j]))
+                if h is not None and 0 < h.n < warmup and v - h.mean > max(k * h.dev, floor):
+                    temporal.append((r, j))
+        ranks = {r for r, _ in temporal}
+        if not (len(ranks) < self.world_size and len(ranks) <= max(1, self.world_size // 2)):
+            temporal = []
+        cross: list[tuple[int, int]] = []
+        if self.world_size >= 3:
+            for j, ranked in _by_column(logs).items():
+                spread = self._spread.get(names[j])
+                if len(ranked) < 3 or (spread is not None and spread.n >= warmup):
+                    continue
+                median = statistics.median(v for _, v in ranked)
+                threshold = max(k * (spread.mean if spread is not None else 0.0), floor)
+                cross.extend((r, j) for r, v in ranked if v - median > threshold)
+        return {*temporal, *cross}, {j for _, j in cross}
 
     def learn(self, values: Sequence[dict[str, float]]) -> None:
         """Fold a clean step into the histories."""
         self._learn_logs(*_logs_of(values))
+
+    def export(self) -> dict[str, Any]:
+        """What was learnt, as plain lists (:meth:`GradStatsDetector.state_dict`)."""
+        names = list(dict.fromkeys([*(n for _, n in self._temporal), *self._spread]))
+        return {
+            "steps_learnt": self.steps_learnt,
+            "names": names,
+            "temporal": [[r, n, h.mean, h.dev, h.n] for (r, n), h in self._temporal.items()],
+            "spread": [[n, h.mean, h.dev, h.n] for n, h in self._spread.items()],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.steps_learnt = int(state["steps_learnt"])
+        self._temporal = {
+            (int(r), str(n)): _History(float(m), float(d), int(c))
+            for r, n, m, d, c in state["temporal"]
+        }
+        self._spread = {
+            str(n): _History(float(m), float(d), int(c)) for n, m, d, c in state["spread"]
+        }
+        self._mature = False
 
 
 def _logs_of(

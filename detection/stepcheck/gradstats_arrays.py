@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +40,7 @@ from detection.stepcheck.gradstats import (
     stat_finding,
     worst_per_rank,
 )
+from detection.stepcheck.headroom import Headroom, TestPeak
 
 __all__ = ["ArrayTests", "table_of"]
 
@@ -93,6 +95,8 @@ class ArrayTests:
     _s_dev: _Array = field(default_factory=lambda: np.zeros(0))
     _s_n: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
     _seen: tuple[_Array, _Array] | None = None  # the last table and its logs
+    _mature: bool = False  # every reference holds ``warmup`` steps: no young-value gate
+    headroom: Headroom = field(default_factory=Headroom)  # clean excesses (measurement only)
 
     def history(self) -> dict[tuple[int, str], tuple[float, float, int]]:
         """The temporal test's reference per (rank, statistic): running mean and mean absolute
@@ -108,13 +112,45 @@ class ArrayTests:
                     )
         return dict(sorted(out.items()))
 
+    def export(self) -> dict[str, Any]:
+        """What was learnt, as plain lists, in the loop's format (``_ScalarTests.export``)."""
+        temporal = [
+            [r, name, float(self._t_mean[r, c]), float(self._t_dev[r, c]), int(self._t_n[r, c])]
+            for r in range(self._t_n.shape[0])
+            for name, c in self._cols.items()
+            if self._t_n[r, c]
+        ]
+        spread = [
+            [name, float(self._s_mean[c]), float(self._s_dev[c]), int(self._s_n[c])]
+            for name, c in self._cols.items()
+            if self._s_n[c]
+        ]
+        return {
+            "steps_learnt": self.steps_learnt,
+            "names": list(self._names),
+            "temporal": temporal,
+            "spread": spread,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.steps_learnt = int(state["steps_learnt"])
+        self._columns([str(n) for n in state["names"]])
+        for r, name, mean, dev, n in state["temporal"]:
+            c = self._cols[str(name)]
+            self._t_mean[int(r), c], self._t_dev[int(r), c], self._t_n[int(r), c] = mean, dev, n
+        for name, mean, dev, n in state["spread"]:
+            c = self._cols[str(name)]
+            self._s_mean[c], self._s_dev[c], self._s_n[c] = mean, dev, n
+        self._seen = None
+        self._mature = False
+
     def test_table(self, names: Sequence[str], raw: _Array) -> list[StatFinding]:
-        """The findings of this step, at most one per rank (asked only once calibrated);
-        ``raw[r, j]`` is the value of statistic ``names[j]`` on rank ``r``."""
+        """The findings of this step, at most one per rank; ``raw[r, j]`` is the value of
+        statistic ``names[j]`` on rank ``r``."""
         cfg = self.config
         cols = self._columns(names)
         logs = self._logs(raw)
-        floor = math.log(cfg.floor_factor)
+        floor, early = math.log(cfg.floor_factor), math.log(cfg.early_factor)
         cross: list[StatFinding] = []
 
         if self.world_size >= 3:
@@ -123,7 +159,8 @@ class ArrayTests:
                 median = np.full(len(names), np.nan)
                 median[counted] = _median(logs[:, counted])
                 scale = np.where(self._s_n[cols] > 0, self._s_mean[cols], 0.0)
-                threshold = np.maximum(cfg.k * scale, floor)
+                base = np.where(self._s_n[cols] >= cfg.warmup, floor, early)
+                threshold = np.maximum(cfg.k * scale, base)
                 hits = counted & (logs - median > threshold)
                 # names in sorted order, then ranks: the loop's order (it breaks ties)
                 for j in sorted(set(np.nonzero(hits)[1].tolist()), key=lambda j: names[j]):
@@ -139,9 +176,9 @@ class ArrayTests:
                                 float(scale[j]),
                             )
                         )
-        mean, dev = self._t_mean[:, cols], self._t_dev[:, cols]
-        threshold = np.maximum(cfg.k * dev, floor)
-        hits = (self._t_n[:, cols] >= cfg.warmup) & (logs - mean > threshold)
+        mean, dev, n = self._t_mean[:, cols], self._t_dev[:, cols], self._t_n[:, cols]
+        threshold = np.maximum(cfg.k * dev, np.where(n >= cfg.warmup, floor, early))
+        hits = (n > 0) & (logs - mean > threshold)
         temporal = [
             stat_finding(
                 r,
@@ -162,19 +199,67 @@ class ArrayTests:
         cols = self._columns(names)
         logs = self._logs(raw)
         mean, dev, n = self._t_mean[:, cols], self._t_dev[:, cols], self._t_n[:, cols]
-        _update(mean, dev, n, logs, cfg.alpha, cfg.warmup)
+        kept_cols = np.zeros(len(cols), dtype=bool)
+        learnt = logs
+        if not self._mature:
+            kept, kept_cols = self._outliers(logs, mean, dev, n, cols)
+            if kept.any():
+                learnt = np.where(kept, np.nan, logs)
+        self._note(self.headroom.temporal, names, np.where(n >= cfg.warmup, learnt - mean, np.nan))
+        _update(mean, dev, n, learnt, cfg.alpha, cfg.warmup)
         self._t_mean[:, cols], self._t_dev[:, cols], self._t_n[:, cols] = mean, dev, n
         if self.world_size >= 3:
-            counted = (~np.isnan(logs)).sum(axis=0) >= 3
+            counted = ((~np.isnan(logs)).sum(axis=0) >= 3) & ~kept_cols
             if counted.any():
                 part = logs[:, counted]
                 median = _median(part)
                 mad = MAD_TO_SIGMA * _median(np.abs(part - median))
                 where = np.asarray(cols)[counted]
                 s_mean, s_dev, s_n = self._s_mean[where], self._s_dev[where], self._s_n[where]
+                top = np.where(s_n >= cfg.warmup, np.nanmax(part, axis=0) - median, np.nan)
+                self._note(
+                    self.headroom.cross, [n for n, c in zip(names, counted, strict=True) if c], top
+                )
                 _update(s_mean, s_dev, s_n, mad, cfg.alpha, cfg.warmup)
                 self._s_mean[where], self._s_dev[where], self._s_n[where] = s_mean, s_dev, s_n
         self.steps_learnt += 1
+        if self.steps_learnt >= cfg.warmup and not self._mature:
+            self._mature = bool(
+                (self._t_n >= cfg.warmup).all()
+                and (self.world_size < 3 or (self._s_n >= cfg.warmup).all())
+            )
+
+    @staticmethod
+    def _note(peak: TestPeak, names: Sequence[str], excess: _Array) -> None:
+        """The loop's headroom record of one learnt step: the largest non-NaN ``excess``
+        (a row per rank, or one value per column) and its column's name."""
+        if np.isnan(excess).all():
+            return
+        index = int(np.nanargmax(excess))
+        peak.note(float(excess.flat[index]), names[index % len(names)])
+
+    def _outliers(
+        self, logs: _Array, mean: _Array, dev: _Array, n: npt.NDArray[np.int64], cols: list[int]
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+        """The loop's ``_outliers`` over arrays: the values a young reference does not learn
+        (a ``(world, n)`` mask), and the columns whose spread it does not learn."""
+        cfg = self.config
+        floor, k = math.log(cfg.floor_factor), cfg.k
+        with np.errstate(invalid="ignore"):
+            temporal = (n > 0) & (n < cfg.warmup) & (logs - mean > np.maximum(k * dev, floor))
+        ranks = int(temporal.any(axis=1).sum())
+        if not (ranks < self.world_size and ranks <= max(1, self.world_size // 2)):
+            temporal[:] = False
+        cross = np.zeros_like(temporal)
+        if self.world_size >= 3:
+            s_n = self._s_n[cols]
+            young = ((~np.isnan(logs)).sum(axis=0) >= 3) & (s_n < cfg.warmup)
+            if young.any():
+                part = logs[:, young]
+                scale = np.where(s_n[young] > 0, self._s_mean[cols][young], 0.0)
+                with np.errstate(invalid="ignore"):
+                    cross[:, young] = part - _median(part) > np.maximum(k * scale, floor)
+        return temporal | cross, np.asarray(cross.any(axis=0), dtype=bool)
 
     def _logs(self, raw: _Array) -> _Array:
         """:func:`_logs` of ``raw``, reused when the table is the last one asked for: a clean

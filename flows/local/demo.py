@@ -19,9 +19,14 @@ As in production, the faulty job is still running when its alarm arrives: its gu
 after the alarm's step (``--halt-on-alarm``) and it stays alive, training no further, until the
 flow's stop stage stops its process group.
 
-``transient`` swaps the persistent fault for a one-off upset at an audited step: one pair of
-ranks disagrees, so the audit names two nodes, the rerun reproduces nothing, and the approver
-chooses in the form which of the two to replace (the other goes back to work).
+``transient`` swaps the persistent fault for a one-off upset at an audited step, in the faulty
+node's *recomputation* of its ring partner's micro-batch (``act-flip@RANK:STEP:in=recompute``):
+training itself stays clean, so the per-step layer — which names a node whose own training step
+is upset, on its own — rightly sees nothing, while the ring audit finds one disagreeing pair
+(auditor and audited) and can only name both. The diagnostic run finds no mismatch on any node
+(every node reproduces the training record), and the approver chooses in the form which of the
+two to replace (the other goes back to work): the training record checks out, so the value
+that was wrong is the auditor's recomputation.
 """
 
 from __future__ import annotations
@@ -80,7 +85,9 @@ class DemoConfig:
     audit_mode: str = "loss"
     approve_in_ui: bool = False
     transient: bool = False
-    """A one-off upset at an audited step instead of a persistent fault: two suspect nodes."""
+    """A one-off upset of the faulty node's recomputation of its ring partner's micro-batch at
+    an audited step, instead of a persistent fault: two suspect nodes, the auditor and the
+    audited."""
     prefect: PrefectServer | None = None
     """The Prefect server the flow runs on; with ``approve_in_ui``, where its run is shown."""
     workdir: Path = Path(".sdcguard/demo")
@@ -107,7 +114,7 @@ class DemoConfig:
     def fault_spec(self) -> str:
         if self.transient:
             rank = self.nodes().index(self.faulty_node)
-            return f"{self.fault}@{rank}:{self.upset_step()}"
+            return f"{self.fault}@{rank}:{self.upset_step()}:in=recompute"
         return f"{self.fault}@node={self.faulty_node}:from={self.fault_step}"
 
     def validate(self) -> None:
@@ -246,7 +253,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         console.print(f"  final fingerprint [cyan]{reference['final_fingerprint']}[/]")
 
         what = (
-            f"a one-off upset on {config.faulty_node} at step {config.upset_step()}"
+            f"a one-off upset of {config.faulty_node}'s recomputation of its ring partner's "
+            f"micro-batch at step {config.upset_step()}"
             if config.transient
             else f"{config.faulty_node} turns faulty at step {config.fault_step}"
         )

@@ -17,6 +17,7 @@ from detection.gate import (
     GateError,
     StepOutcome,
 )
+from detection.guard.state import read_state, state_path
 from detection.transport.alarm import Alarm, Layer, Phase
 from detection.weights.fingerprint import Fingerprint
 
@@ -245,3 +246,29 @@ def test_checkpoints_quarantined_by_an_alarm_are_posted_quarantined(tmp_path: Pa
     ]
     assert checkpoints[1]["sha256"] == pending.sha256
     assert checkpoints[2]["uri"] == late.uri
+
+
+def test_a_guard_state_is_written_beside_the_checkpoint_with_its_fingerprint(
+    tmp_path: Path,
+) -> None:
+    """A gate given to a guard writes the guard's learnt state beside each checkpoint,
+    ``ckpt-<step>.sdcguard.pt``, tied to the checkpoint's weights by their fingerprint; the
+    checkpoint file and its record are as without it."""
+    gate = CheckpointGate(tmp_path / "ckpt", audit_every=10)
+    gate.bind_guard_state(lambda: {"format": "sdcguard-guard-state", "step": 12, "x": [1.5]})
+    gate.observe(_step(12))
+    record = _write(gate, 12)
+    path = tmp_path / "ckpt" / "ckpt-000012.pt"
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        "ckpt-000012.pt",
+        "ckpt-000012.sdcguard.pt",
+    ]
+    assert record.sha256 == hashlib.sha256(b"state 12").hexdigest()
+    assert state_path(path) == tmp_path / "ckpt" / "ckpt-000012.sdcguard.pt"
+    assert read_state(path) == {
+        "format": "sdcguard-guard-state",
+        "step": 12,
+        "x": [1.5],
+        "fingerprint": FP.hex(),
+    }
+    assert read_state(tmp_path / "ckpt" / "ckpt-000099.pt") is None

@@ -28,5 +28,6 @@ def test_the_default_adds_at_most_four_ops_per_block_and_30_percent_of_a_plain_s
     assert ops_per_step.per_block(default) <= 4.0, default
     deep = default[-1]
     assert deep["added"] <= 0.30 * deep["plain"], deep
-    # every layer on every step: the checked layers' own ops, today 24.4 a block (42.3 before)
-    assert ops_per_step.per_block(full) <= 26.0, full
+    # every layer on every step: the checked layers' own ops, 28.4 a block with the derived
+    # rounding bounds of the checks armed from step 0 (24.4 without them, 42.3 before)
+    assert ops_per_step.per_block(full) <= 29.0, full

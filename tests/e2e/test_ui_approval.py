@@ -9,9 +9,14 @@ suspect nodes. Nothing else answers the form, so the demo ending exact with that
 that reason in the ledger, and only that node replaced, proves the address was the right one
 and the UI's answer reached the flow.
 
-The scenario is the demo's ``--transient``: a one-off upset of node-2 at an audited step, which
-the ring audit can only pin on a pair (node-0 audited node-2), which no replay reproduces.
-Afterwards no process of the demo is left: not its Prefect server, not a training process.
+The scenario is the demo's ``--transient``: a one-off upset of node-2's recomputation of node-1's
+micro-batch at an audited step (node-2 audits node-1 in the ring of four). Training stays clean —
+the per-step layer, armed from the first step, rightly raises nothing, and the faulty run's
+weights are the reference's step for step — so the ring audit's one disagreeing pair is the
+only evidence, and it names both nodes; the diagnostic run finds no mismatch on any node. The
+approver reads that the training record checks out, so the wrong value was the auditor's
+recomputation, and keeps node-2. Afterwards no process of the demo is left: not its Prefect
+server, not a training process.
 
 Screenshots (the filled-in form; the page as it was on failure) go to ``artifacts/ui-approval/``.
 """
@@ -37,8 +42,11 @@ from tests.e2e.processes import CliProcess, cli_process, prefect_processes
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 APPROVER = "carol.approver@example.com"
-REASON = "the upset was node-2's own step; node-0 only audited it: replace node-2"
-APPROVED, NOT_APPROVED = "node-2", "node-0"
+REASON = (
+    "node-1's step reruns clean on every node and no per-step check fired: the wrong value was "
+    "node-2's recomputation of node-1's batch: replace node-2"
+)
+APPROVED, NOT_APPROVED = "node-2", "node-1"
 RUN_ADDRESS = re.compile(r"approve at (http://\S+/runs/flow-run/[0-9a-f-]{36})\s*$")
 # The demo's own scale, shortened: the upset at step 10 (an audited step), 16 steps in all.
 DEMO_ARGS = ["--approve-in-ui", "--transient", "--steps", "16", "--fault-step", "10"]
@@ -49,6 +57,12 @@ def newcomer_demo(tmp_path: Path) -> Iterator[CliProcess]:
     args = ["demo", *DEMO_ARGS, "--report", str(tmp_path / "report.json")]
     with cli_process(args, tmp_path / "demo", tmp_path / "home") as demo:
         yield demo
+
+
+def _weights_by_step(trace: Path) -> dict[int, str]:
+    """A training trace's weight fingerprint after each step it ran."""
+    rows = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()]
+    return {int(row["step"]): str(row["weight_fingerprint"]) for row in rows}
 
 
 def _form_property(dialog: Locator, title: str) -> Locator:
@@ -122,7 +136,7 @@ def test_a_newcomer_approves_one_of_two_nodes_at_the_address_the_demo_prints(
     expect(dialog).to_be_visible(timeout=UI_TIMEOUT_MS)
     # the evidence the approver decides on is on the form: two suspects, nothing reproduced
     expect(dialog).to_contain_text("approval needed", timeout=UI_TIMEOUT_MS)
-    expect(dialog).to_contain_text("no node reproduces it", timeout=UI_TIMEOUT_MS)
+    expect(dialog).to_contain_text("no mismatch on any node", timeout=UI_TIMEOUT_MS)
     expect(_node_items(dialog)).to_have_count(2, timeout=UI_TIMEOUT_MS)  # rendered just after
     assert sorted(_listed_nodes(dialog)) == [NOT_APPROVED, APPROVED]
     # no decision is preselected: the approver must choose
@@ -137,7 +151,11 @@ def test_a_newcomer_approves_one_of_two_nodes_at_the_address_the_demo_prints(
     assert demo.wait(timeout_s=600) == 0, demo.output
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["recovered_fingerprint"] == report["reference_fingerprint"]
-    assert report["final_fingerprint"] != report["reference_fingerprint"]
+    # the ring audit alone saw it, as one pair: node-2 (rank 2) recomputed node-1's micro-batch
+    assert [(a["layer"], a["suspect_nodes"]) for a in report["alarms"]] == [
+        ("audit", [NOT_APPROVED, APPROVED])
+    ]
+    assert report["alarms"][0]["detail"]["mismatched_pairs"] == [{"auditor": 2, "audited": 1}]
     assert sorted(report["suspect_nodes"]) == [NOT_APPROVED, APPROVED]
     assert [r["node"] for r in report["replaced"]] == [APPROVED]
     assert report["approval"]["approver"] == APPROVER
@@ -150,6 +168,12 @@ def test_a_newcomer_approves_one_of_two_nodes_at_the_address_the_demo_prints(
     assert report["stopped_after_step"] == min(a["step"] for a in report["alarms"])
 
     run_dir = demo.workdir / "run"
+    # training itself stayed clean: the faulty run's weights are the reference's at every step
+    assert _weights_by_step(run_dir / "demo-job.trace.jsonl") == {
+        step: fp
+        for step, fp in _weights_by_step(run_dir / "reference.trace.jsonl").items()
+        if step <= report["stopped_after_step"]
+    }
     with Ledger.from_url(f"sqlite:///{run_dir / 'ledger.db'}") as ledger:
         incident = ledger.get_incident(report["incident_id"])
     assert incident.state is IncidentState.RESOLVED, incident.reason

@@ -8,6 +8,7 @@ from torch import nn
 
 from detection.faults.injector import FaultInjector, flip_bit_
 from detection.faults.spec import (
+    Computation,
     FaultInjectionError,
     FaultKind,
     FaultSpec,
@@ -54,6 +55,10 @@ def test_act_flip_takes_a_module_suffix() -> None:
         ("grad-flip@node=n1:to=3", "neither"),
         ("weight-flip@1:2/head", "only act-flip"),
         ("act-flip@1:2/", "qualified name"),
+        ("act-flip@1:2:in=elsewhere", "names no computation"),
+        ("weight-flip@1:2:in=recompute", "runs no weight-flip"),
+        ("reduced-flip@1:2:30:in=recompute", "runs no reduced-flip"),
+        ("act-flip@node=n1:in=recompute", "neither"),
     ],
 )
 def test_malformed_specs_are_refused_with_the_reason(text: str, says: str) -> None:
@@ -73,6 +78,21 @@ def test_transient_faults_skip_replays_and_persistent_ones_follow_the_node() -> 
     assert node.applies(rank=7, node="n1", step=99, replay=False)
     assert not node.applies(rank=0, node="n1", step=2, replay=False)
     assert not node.applies(rank=0, node="n2", step=5, replay=False)
+
+
+def test_a_transient_fault_in_a_recomputation_spares_the_rank_s_own_step() -> None:
+    spec = FaultSpec.parse("act-flip@0:10:in=recompute")
+    assert (spec.rank, spec.step, spec.bit, spec.computation) == (0, 10, 30, Computation.RECOMPUTE)
+    assert spec.applies(rank=0, node="n", step=10, replay=True)
+    assert not spec.applies(rank=0, node="n", step=10, replay=False)
+    assert not spec.applies(rank=1, node="n", step=10, replay=True)
+    assert not spec.applies(rank=0, node="n", step=11, replay=True)
+    assert str(spec) == "act-flip@0:10:30:in=recompute"
+    assert FaultSpec.parse(str(spec)) == spec
+    gradient = FaultSpec.parse("grad-flip@2:5:27:in=recompute")
+    assert (gradient.bit, gradient.computation) == (27, Computation.RECOMPUTE)
+    assert FaultSpec.parse("act-flip@3:4:in=own") == FaultSpec.parse("act-flip@3:4")
+    assert FaultSpec.parse("act-flip@1:4:in=recompute/head").module == "head"
 
 
 def test_element_index_is_deterministic_and_in_range() -> None:
@@ -192,3 +212,18 @@ def test_gradient_faults_hit_the_documented_element_and_nan_is_nan() -> None:
         before = torch.cat([g.flatten() for g in grads]).clone()
         injector.on_local_gradient(list(enumerate(grads)))
         assert torch.equal(torch.cat([g.flatten() for g in grads]).isnan(), before.isnan())
+
+
+def test_a_recomputation_fault_strikes_the_replay_and_not_the_own_step() -> None:
+    net = _net()
+    injector = FaultInjector([FaultSpec.parse("act-flip@0:2:in=recompute")], rank=0, node="n")
+    injector.bind(net)
+    x = torch.randn(3, 4)
+    clean = net(x)
+    injector.begin_step(2)
+    assert not injector.any_active()  # the rank's own step is clean
+    assert torch.equal(net(x), clean)
+    with injector.recomputing():
+        assert not torch.equal(net(x), clean)
+    injector.end_step()
+    assert injector.injected == [(2, "act-flip@0:2:30:in=recompute", True)]

@@ -70,11 +70,18 @@ def assert_clean(results: list[dict[str, Any]], key: str, steps: int = CLEAN_STE
 def assert_caught(
     results: list[dict[str, Any]], key: str, layer: str, phase: str, rank: int = FAULTY_RANK
 ) -> int:
-    """The fault run raised alarms, the first of the given layer naming ``rank`` alone, the
-    same on every rank. Returns the step of that alarm."""
+    """The fault run raised alarms, the first naming ``rank`` alone with a finding of the
+    given layer and phase naming it too — that alarm's lead, or one that rides along in its
+    ``detail.also`` (the per-step layer, armed from the first step, leads an audit that found
+    the same step) — the same on every rank. Returns the step of that alarm."""
     alarms = results[0][key]["alarms"]
     assert alarms, f"{key}: the injected fault was not caught"
     step, got_layer, got_phase, suspects = alarms[0]
-    assert (got_layer, got_phase, suspects) == (layer, phase, [rank]), (alarms, results[0][key])
+    assert suspects == [rank], (alarms, results[0][key])
+    found = [(got_layer, got_phase, suspects)] + [
+        (a["layer"], a["phase"], a["suspect_ranks"])
+        for a in results[0][key]["details"][0].get("also", [])
+    ]
+    assert (layer, phase, [rank]) in found, (alarms, results[0][key])
     assert all(r[key]["alarms"] == alarms for r in results)
     return int(step)

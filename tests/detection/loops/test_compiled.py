@@ -103,6 +103,10 @@ def test_compiled_models_replay_through_compiled_code() -> None:
         # a NaN in rank 1's local gradient: named by the non-finite check, deferred or not
         assert r["nan"]["alarms"][0] == (4, "nonfinite", "pre-allreduce", [1])
         assert r["nan-deferred"]["alarms"] == r["nan"]["alarms"]
-        # a finite flip: the gradient audit's lone disagreeing pair, rank 1 audited by rank 0
-        assert r["flip"]["alarms"] == [(4, "audit", "gradient", [0, 1])]
-        assert r["flip"]["details"][0]["mismatched_pairs"] == [{"auditor": 0, "audited": 1}]
+        # a finite flip (bit 30): the per-step statistics, armed from the first step (a
+        # compiled model runs no checksums), name rank 1; the gradient audit's lone
+        # disagreeing pair, rank 1 audited by rank 0, rides along in the same alarm
+        assert r["flip"]["alarms"] == [(4, "gradstats", "pre-allreduce", [1])]
+        [audit] = [a for a in r["flip"]["details"][0]["also"] if a["layer"] == "audit"]
+        assert (audit["phase"], audit["suspect_ranks"]) == ("gradient", [0, 1])
+        assert audit["mismatched_pairs"] == [{"auditor": 0, "audited": 1}]

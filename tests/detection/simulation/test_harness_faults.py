@@ -2,9 +2,11 @@
 where the design can name it — the suspect; and faults the design cannot see, unseen.
 
 Ring for 4 ranks on 4 nodes: 0 → 2 → 1 → 3 → 0 (rank r recomputes the next one), so rank 2
-is audited by rank 0. Each case runs to its end unless it says ``halt``; "exactly these alarms"
-therefore also shows that consequences of a fault (NaN weights, a diverged replica) are not
-reported again as new events.
+is audited by rank 0. The per-step layer, armed from the first step, names a gradient or
+activation flip on its own step before any audit: the tests of the audit itself turn it off
+(``step_checks=False``), as a job whose per-step layer is off runs. Each case runs to its end
+unless it says ``halt``; "exactly these alarms" therefore also shows that consequences of a
+fault (NaN weights, a diverged replica) are not reported again as new events.
 """
 
 from __future__ import annotations
@@ -85,32 +87,53 @@ def test_two_replicas_can_only_say_that_they_differ() -> None:
 
 
 def test_activation_flip_at_an_audited_step_fails_the_loss_audit() -> None:
-    report = _job("act-flip@2:4")
+    report = _job("act-flip@2:4", step_checks=False)
     # one disagreeing pair (0 recomputed 2): either side may have erred, both are named
     assert _alarms(report) == [(4, "audit", "loss", [0, 2], ["node-0", "node-2"])]
     assert report["alarms"][0]["detail"]["mismatched_pairs"] == [{"auditor": 0, "audited": 2}]
 
 
 def test_gradient_flip_at_an_audited_step_fails_the_gradient_audit() -> None:
-    report = _job("grad-flip@2:4", audit_mode="gradient")
+    report = _job("grad-flip@2:4", audit_mode="gradient", step_checks=False)
     assert _alarms(report) == [(4, "audit", "gradient", [0, 2], ["node-0", "node-2"])]
 
 
-def test_faults_the_design_cannot_see_raise_no_alarm(clean_reference: dict[str, Any]) -> None:
+def test_an_upset_of_the_auditor_s_recomputation_leaves_only_the_pair(
+    clean_reference: dict[str, Any],
+) -> None:
+    """The case the ring audit can only pin on a pair with the per-step layer armed: the upset
+    strikes rank 0's recomputation of rank 2's micro-batch (``in=recompute``), not a training
+    step. Training stays clean — the per-step layer, every checksum on every step, rightly
+    sees nothing, and the weights end as the clean run's — while the audit's one disagreeing
+    pair names both sides."""
+    report = _job("act-flip@0:4:in=recompute", steps=10, abft_every=1)
+    assert _alarms(report) == [(4, "audit", "loss", [0, 2], ["node-0", "node-2"])]
+    assert report["alarms"][0]["detail"]["mismatched_pairs"] == [{"auditor": 0, "audited": 2}]
+    assert report["final_fingerprint"] == clean_reference["final_fingerprint"]
+
+
+def test_faults_only_the_per_step_layer_sees_from_the_first_steps(
+    clean_reference: dict[str, Any],
+) -> None:
     """A finite corruption before all-reduce at a step without audit (and a gradient flip under
-    loss-only audits), while the per-step statistics are still calibrating (their first
-    ``warmup`` steps), is averaged into every replica: no statistical or replica layer can see
-    it. The final weights differ from the clean run's, so the faults did strike. Only the
-    bit-30 flip of step 4 leaves a trace the per-step layer sees without calibration: its
-    element squares to inf in every replica's Adam state, named as the step that wrote it."""
-    report = _job("grad-flip@1:5", "act-flip@3:6", "grad-flip@2:4", steps=10)
-    assert _alarms(report) == [
-        (4, "optstate", "optimizer-state", [0, 1, 2, 3], NODES4),
+    loss-only audits) is averaged into every replica: no replica layer can see it. Without the
+    per-step layer nothing does (the final weights differ from the clean run's: the faults did
+    strike); with it — armed from the first step, before the statistics learnt anything — and
+    every checksum checked on every step (``abft_every=1``; the default's rotation checks a
+    layer once every 8 steps), each is named on its own step by its layer's checksum, bit 30
+    and bit 26 alike."""
+    faults = ("grad-flip@1:5", "act-flip@3:6", "grad-flip@2:4")
+    unseen = _job(*faults, steps=10, step_checks=False)
+    assert unseen["alarms"] == []
+    assert unseen["final_fingerprint"] != clean_reference["final_fingerprint"]
+    full = {"steps": 10, "abft_every": 1}
+    seen = [(step, layer, ranks) for step, layer, _, ranks, _ in _alarms(_job(*faults, **full))]
+    assert seen == [(4, "abft", [2]), (5, "abft", [1]), (6, "abft", [3])]
+    low = [
+        (s, layer, r)
+        for s, layer, _, r, _ in _alarms(_job(*(f + ":26" for f in faults[:2]), **full))
     ]
-    assert report["final_fingerprint"] != clean_reference["final_fingerprint"]
-    quiet = _job("grad-flip@1:5:26", "act-flip@3:6:26", steps=10)
-    assert quiet["alarms"] == []
-    assert quiet["final_fingerprint"] != clean_reference["final_fingerprint"]
+    assert low == [(5, "abft", [1]), (6, "abft", [3])]
 
 
 def test_persistent_fault_under_the_ring_names_its_node_and_halts(tmp_path: Path) -> None:
@@ -119,6 +142,7 @@ def test_persistent_fault_under_the_ring_names_its_node_and_halts(tmp_path: Path
         audit_every=2,
         halt_on_alarm=True,
         trace=tmp_path / "trace.jsonl",
+        step_checks=False,
     )
     # rank 2 is wrong in its own result and in its recomputation of rank 1: the suspect
     assert _alarms(report) == [(4, "audit", "loss", [2], ["node-2"])]
@@ -132,7 +156,12 @@ def test_persistent_fault_under_the_ring_names_its_node_and_halts(tmp_path: Path
 
 def test_persistent_gradient_fault_is_named_by_gradient_audits() -> None:
     report = _job(
-        "grad-flip@node=node-1", audit_mode="gradient", audit_every=3, steps=4, halt_on_alarm=True
+        "grad-flip@node=node-1",
+        audit_mode="gradient",
+        audit_every=3,
+        steps=4,
+        halt_on_alarm=True,
+        step_checks=False,
     )
     assert _alarms(report) == [(0, "audit", "gradient", [1], ["node-1"])]
 

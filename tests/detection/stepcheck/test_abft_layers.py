@@ -2,8 +2,9 @@
 LayerNorm and
 BatchNorm (the built-in model), BatchNorm1d (the plain MLP).
 
-With them every parameter of both models is covered, clean ratios stay far below the tolerance
-floor in float32 and bf16, and a flip that makes one gradient element *smaller* — exponent bit
+With them every parameter of both models is covered, clean ratios stay below their rounding
+bound derived from the arithmetic (a ratio of 1, :mod:`detection.stepcheck.abft_bound`) in
+float32 and bf16, and a flip that makes one gradient element *smaller* — exponent bit
 29 going 1 → 0 divides it by 2^64, which no norm test can see — breaks its layer's checksum."""
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def test_a_gradient_flip_that_shrinks_an_element_breaks_its_layers_checksum(
         flip_bit_(flat, element, 29)
         assert abs(flat[element].item()) < abs(before) * 2.0**-60
     ratios = _check(model, abft)
-    assert ratios[index, 1].item() > 100.0, ratios.tolist()
+    # ratios count in units of each layer's rounding bound: 10 bounds is no rounding
+    assert ratios[index, 1].item() > 10.0, ratios.tolist()
     others = [i for i in range(len(abft.layers)) if i != index]
     assert ratios[others].max().item() < 1.0
 
