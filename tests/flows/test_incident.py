@@ -5,7 +5,10 @@ session's ``prefect_api``), a SQLite ledger, a simulated cluster state file, loc
 the training job, packaged telemetry fixtures, a file checkpoint store and SageMaker HyperPod
 served by moto over HTTP. The one stand-in is :class:`ScriptedRerunner`, the cluster nodes that
 run replays reduced to their answers (a faulty node computes something else from a given step
-on); ``test_real_replay_names_the_faulty_node`` runs real replays of a real training job.
+on). Real diagnostic reruns of a real training job, through to an exact recovery, are the
+end-to-end demos' (``tests/e2e/``); the rerun verdicts on real processes are
+``tests/recovery/test_diagnosis_local.py``'s, and the resumed run's own report names
+``tests/recovery/test_jobs.py``'s.
 """
 
 from __future__ import annotations
@@ -56,7 +59,6 @@ from recovery.jobs import JobKind, JobRef, JobStatus
 from recovery.local import LocalJobControl
 from recovery.local.catalog import LocalJobCatalog
 from recovery.local.cluster import LocalCluster, NodeState
-from recovery.local.diagnosis import LocalRerunner
 from recovery.local.nodes import LocalNodeDirectory, LocalNodeOps
 from recovery.nodes import ANNOTATION_CORDONED_BY
 from recovery.telemetry import FixtureTelemetry, packaged_fixture_root
@@ -826,136 +828,6 @@ def test_a_corrupt_newest_checkpoint_is_marked_and_the_next_older_one_is_used(si
     assert summary["resumed_checkpoint"] == str(site.checkpoints[19])
     launch = site.job_record()["launches"][-1]
     assert str(site.checkpoints[19]) in launch["args"]
-
-
-def _harness_args(tmp: Path, name: str, inject: list[str]) -> list[str]:
-    args = [
-        "--world-size",
-        "2",
-        "--nodes",
-        "node-0,node-1",
-        "--seed",
-        "3",
-        "--steps",
-        "16",
-        "--audit-every",
-        "5",
-        "--audit-mode",
-        "loss",
-        "--checkpoint-every",
-        "5",
-        "--checkpoint-dir",
-        str(tmp / f"{name}-ckpt"),
-        "--report",
-        str(tmp / f"{name}.json"),
-        "--trace",
-        str(tmp / f"{name}-trace.jsonl"),
-        "--job-id",
-        name,
-    ]
-    for spec in inject:
-        args += ["--inject", spec]
-    return args
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_real_replay_names_the_faulty_node_and_recovery_matches_a_clean_run(
-    tmp_path: Path, sqlite_ledger: Ledger, local_aws: LocalAws
-) -> None:
-    """A real 2-rank job whose node-1 computes wrong from step 13 on, diagnosed by real
-    replays on real spares, replaced, resumed: the recovered weights equal a clean run's."""
-    jobs = LocalJobControl(tmp_path / "jobs", stop_timeout_s=5.0)
-    clean = JobRef("clean", kind=JobKind.LOCAL)
-    faulty = JobRef("faulty", kind=JobKind.LOCAL)
-    fault = "act-flip@node=node-1:from=13"
-    jobs.launch("clean", _harness_args(tmp_path, "clean", []), tmp_path / "clean.log")
-    jobs.launch("faulty", _harness_args(tmp_path, "faulty", [fault]), tmp_path / "faulty.log")
-    assert jobs.wait(clean, 120) is JobStatus.SUCCEEDED
-    assert jobs.wait(faulty, 120) is JobStatus.SUCCEEDED
-    report = json.loads((tmp_path / "faulty.json").read_text())
-    reference = json.loads((tmp_path / "clean.json").read_text())["final_fingerprint"]
-    assert report["final_fingerprint"] != reference
-
-    # what the webhook would have recorded from the job
-    names = ["node-0", "node-1", "node-2", "node-3"]
-    cluster_name = f"sdc-{uuid.uuid4().hex[:8]}"
-    ids = dict(zip(names, create_demo_cluster(local_aws, cluster_name, 4), strict=True))
-    cluster = LocalCluster.create(tmp_path / "cluster.json", names[:2], names[2:], ids)
-    ledger = sqlite_ledger
-    ledger.register_ranks("faulty", [RankIn(0, 0, "node-0"), RankIn(1, 0, "node-1")])
-    for checkpoint in report["checkpoints"]:
-        ledger.record_checkpoint(
-            "faulty",
-            checkpoint["step"],
-            checkpoint["uri"],
-            checkpoint["sha256"],
-            checkpoint["fingerprint"],
-            ["node-0", "node-1"],
-        )
-        if checkpoint["status"] == "verified":
-            ledger.record_audit("faulty", checkpoint["step"], "loss", [0, 1], True)
-    (alarm,) = report["alarms"]
-    opened = ledger.record_alarm(
-        AlarmIn(
-            alarm_id=str(uuid.uuid4()),
-            job_id="faulty",
-            step=alarm["step"],
-            rank=0,
-            node="node-0",
-            layer=alarm["layer"],
-            phase=alarm["phase"],
-            suspect_ranks=alarm["suspect_ranks"],
-            suspect_nodes=alarm["suspect_nodes"],
-            detail=alarm["detail"],
-            sent_at=datetime.now(UTC),
-        )
-    )
-    client = sagemaker_client(
-        local_aws.region, local_aws.endpoint_url, max_attempts=1, session=local_aws.session()
-    )
-    backends = Backends(
-        ledger=ledger,
-        nodes=LocalNodeOps(cluster),
-        jobs=jobs,
-        telemetry=FixtureTelemetry(packaged_fixture_root()),
-        rerunner=LocalRerunner(tmp_path / "replays", timeout_s=120),
-        hyperpod=HyperPod(client, cluster_name, poll_interval_s=0.01, wait_timeout_s=30),
-        checkpoints=FileCheckpointStore(tmp_path / "store"),
-        directory=LocalNodeDirectory(cluster),
-        catalog=LocalJobCatalog(tmp_path / "jobs"),
-        description="real replay test",
-    )
-    # A run parameter can only tighten the server's policy: this share is bounded back to the
-    # server's 25 %, so two nodes of a two-node job are a storm and a human approves.
-    policy = FAST.model_copy(update={"storm_node_share": 1.0})
-    answer = {"decision": "approve", "approver": "carol", "reason": "replay names node-1"}
-    try:
-        # The run pauses only after real training replays, whose time grows with the
-        # machine's load: the approver waits for the pause as long as the test may take.
-        with (
-            use_backends(backends),
-            Approver(opened.incident_id, answer, timeout_s=300) as approver,
-        ):
-            summary = incident_response(opened.incident_id, policy)
-        assert approver.error is None
-        assert summary["verdict"] == "hardware"
-        verdict = ledger.get_incident(opened.incident_id).evidence["verdict"]  # type: ignore[index]
-        assert verdict["node"] == "node-1"
-        assert verdict["first_step"] == 13
-        assert summary["suspect_range"] == [11, 15]
-        assert summary["resumed_from_step"] == 10
-        (replaced,) = summary["replaced"]
-        assert replaced["node"] == "node-1"
-        assert not cluster.node("node-0").unschedulable  # cleared by the replay
-        assert jobs.wait(faulty, 120) is JobStatus.SUCCEEDED
-        # the resumed run reports beside the faulty run's report, never over it
-        resumed = tmp_path / f"faulty.resumed-{summary['resumed_from_step']}.json"
-        assert json.loads((tmp_path / "faulty.json").read_text()) == report
-        recovered = json.loads(resumed.read_text())["final_fingerprint"]
-        assert recovered == reference
-    finally:
-        jobs.stop(faulty)
 
 
 class CrashingOnce:
