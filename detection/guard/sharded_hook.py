@@ -52,6 +52,19 @@ from detection.weights.fingerprint import fingerprint_on_device
 __all__ = ["CheckedAllGather", "CheckedReduceScatter"]
 
 
+def _allocate(
+    inner: ReduceScatter | AllGather | None,
+    size: Sequence[int | torch.SymInt],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """The wrapped collective's own buffer where there is one (a custom collective may need
+    memory of its own kind), a plain tensor otherwise."""
+    if inner is not None:
+        return inner.allocate(size, dtype=dtype, device=device)
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
 class CheckedReduceScatter(ReduceScatter):
     """The default (or the user's) reduce-scatter, with a non-finite check of this rank's input
     and the sums of its input and output for the algebra check."""
@@ -84,9 +97,7 @@ class CheckedReduceScatter(ReduceScatter):
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        if self.inner is not None:
-            return self.inner.allocate(size, dtype=dtype, device=device)
-        return torch.empty(*size, dtype=dtype, device=device)
+        return _allocate(self.inner, size, dtype, device)
 
     def __call__(
         self,
@@ -177,9 +188,7 @@ class CheckedAllGather(AllGather):
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        if self.inner is not None:
-            return self.inner.allocate(size, dtype=dtype, device=device)
-        return torch.empty(*size, dtype=dtype, device=device)
+        return _allocate(self.inner, size, dtype, device)
 
     def __call__(
         self,
