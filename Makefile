@@ -38,12 +38,13 @@ format: install
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The suite waits mostly on other processes (Prefect servers, training ranks, flows), not on
-# the CPU: two workers, each with its own session fixtures; a file's tests stay together. Files
-# go out in collection order, which puts the slow end-to-end files first (tests/conftest.py):
-# xdist's default reorder by test count would start them last.
+# The suite waits partly on other processes and on time itself (Prefect servers, training
+# ranks, an approval answered after a lease period): with two workers on two cores a sixth of
+# the CPU sat idle, so three workers, each with its own session fixtures; a file's tests stay
+# together. Files go out in collection order, which puts the slow end-to-end files first
+# (tests/conftest.py): xdist's default reorder by test count would start them last.
 # The fifteen slowest tests are printed at the end: where the budget goes.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 test: install lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
