@@ -107,6 +107,7 @@ from detection.guard.decision import (
     step_row,
     step_row_on_host,
 )
+from detection.guard.protocol import refuse_backward, refuse_step, require_step
 from detection.guard.sharded import ShardedGuard
 from detection.guard.sharding import is_sharded
 from detection.guard.state import load_state, state_of
@@ -492,12 +493,7 @@ class SDCGuard:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Bracket one training step; on leaving, decide it (collective: all ranks)."""
-        if self.halted:
-            raise GuardHaltedError(f"the guard halted the job after an alarm; step {step} refused")
-        if self._current is not None:
-            raise GuardUsageError(
-                "guard.step() blocks do not nest: leave one step's block before the next begins"
-            )
+        refuse_step(step, halted=self.halted, open_step=self._current)
         audit = self.audit_every > 0 and step % self.audit_every == 0
         current = _Step(step=step, audit=audit, seed=step_seed(self.config.seed, step, self.rank))
         if audit and self.config.mode is AuditMode.LOSS:
@@ -548,16 +544,7 @@ class SDCGuard:
         this loss came from, for the audit."""
         current = self._require_step("guard.backward()")
         micro = current.micro
-        if micro >= self.micro_batches:
-            raise GuardUsageError(
-                f"guard.backward() called {micro + 1} times in step {current.step}, but "
-                f"GuardConfig(micro_batches={self.micro_batches}) allows {self.micro_batches}: "
-                "set micro_batches to the number of micro-batches per step"
-            )
-        if loss.numel() != 1:
-            raise GuardUsageError(
-                "loss_fn must return a scalar loss: reduce it (e.g. .mean()) inside loss_fn"
-            )
+        refuse_backward(current, loss, self.micro_batches)
         if batch is None and self.microbatch is None:
             raise GuardUsageError(
                 "no microbatch(step, rank) function was given: pass the batch the loss came "
@@ -627,12 +614,7 @@ class SDCGuard:
 
     # -- hooks -------------------------------------------------------------------------------------
     def _require_step(self, what: str) -> _Step:
-        if self._current is None:
-            raise GuardUsageError(
-                f"{what} outside a guard.step() block: run the training step inside "
-                "`with guard.step(step):`"
-            )
-        return self._current
+        return require_step(self._current, what)
 
     def _set_replay_seed(self, value: int | None) -> None:
         self._replay_seed = value

@@ -50,12 +50,12 @@ from detection.guard.config import (
     AlarmSink,
     GuardConfig,
     GuardConfigError,
-    GuardHaltedError,
     GuardUsageError,
     Identity,
 )
 from detection.guard.counters import GuardCounters
 from detection.guard.decision import any_nonfinite
+from detection.guard.protocol import refuse_backward, refuse_step, require_step
 from detection.guard.sharded_decision import ROW_WORDS, Row, ShardedDecision, word_float
 from detection.guard.sharded_hook import CheckedAllGather, CheckedReduceScatter
 from detection.guard.sharded_stats import ShardedStats
@@ -192,12 +192,7 @@ class ShardedGuard:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
         """Bracket one training step; on leaving, decide it (collective: all ranks)."""
-        if self.halted:
-            raise GuardHaltedError(f"the guard halted the job after an alarm; step {step} refused")
-        if self._current is not None:
-            raise GuardUsageError(
-                "guard.step() blocks do not nest: leave one step's block before the next begins"
-            )
+        refuse_step(step, halted=self.halted, open_step=self._current)
         self._current = _Step(step)
         self.reduce_scatter.begin_step()
         self.all_gather.begin_step()
@@ -215,13 +210,7 @@ class ShardedGuard:
         micro-batch, the non-finite check of the reduce-scattered gradient shards."""
         del batch  # shipped to an auditor under DDP; no audit here
         current = self._require_step("guard.backward()")
-        if current.micro >= self.micro_batches:
-            raise GuardUsageError(
-                f"guard.backward() called {current.micro + 1} times in step {current.step}, but "
-                f"GuardConfig(micro_batches={self.micro_batches}) allows {self.micro_batches}"
-            )
-        if loss.numel() != 1:
-            raise GuardUsageError("the loss must be a scalar: reduce it (e.g. .mean()) first")
+        refuse_backward(current, loss, self.micro_batches)
         current.loss = loss.detach()
         scaling = scaler is not None and scaler.is_enabled()
         current.scaled = current.scaled or scaling
@@ -269,12 +258,7 @@ class ShardedGuard:
 
     # -- hooks and the decision --------------------------------------------------------------------
     def _require_step(self, what: str) -> _Step:
-        if self._current is None:
-            raise GuardUsageError(
-                f"{what} outside a guard.step() block: run the training step inside "
-                "`with guard.step(step):`"
-            )
-        return self._current
+        return require_step(self._current, what)
 
     def _before_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         current = self._require_step("optimizer.step()")
