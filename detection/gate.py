@@ -315,24 +315,41 @@ class CheckpointGate:
         to the ledger a checkpoint); rank 0 writes the guard's state beside the directory
         (``ckpt-<step>.sdcguard.pt``). Must be called right after the guard decided ``step``.
         """
-        import torch.distributed as dist
+        from detection.weights.sharded_checkpoint import (
+            MANIFEST_NAME,
+            every_rank,
+            save_sharded,
+        )
 
-        from detection.weights.sharded_checkpoint import MANIFEST_NAME, save_sharded
-
+        rank, reasons = every_rank(self._refusal(step))
+        refused = [f"rank {r}: {reason}" for r, reason in enumerate(reasons) if reason]
+        if refused:  # on every rank alike, before any rank writes: none waits for another
+            raise GateError(f"sharded checkpoint of step {step} refused: " + "; ".join(refused))
         directory = self._require_directory()
         last = self._require_decided(step)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank != 0 and self._sink is not None:
-            raise GateError(
-                f"the gate of rank {rank} has a provenance sink: a sharded checkpoint is posted "
-                "by rank 0's gate alone (give the other ranks' gates sink=None)"
-            )
         guard_state = self._guard_state() if self._guard_state is not None else None
         final = sharded_checkpoint_path(directory, step)
         digest = save_sharded(final, state)
         if rank == 0:
             self._beside(final, guard_state, last)
         return self._record(step, uri or self._uri(final / MANIFEST_NAME), digest, last)
+
+    def _refusal(self, step: int) -> str | None:
+        """Why this rank's gate must not write a sharded checkpoint of ``step`` (``None``: it
+        may): no directory, ``step`` not the step just decided, or a sink on a rank but 0."""
+        import torch.distributed as dist
+
+        try:
+            self._require_directory()
+            self._require_decided(step)
+        except GateError as err:
+            return str(err)
+        if self._sink is not None and dist.is_initialized() and dist.get_rank() != 0:
+            return (
+                "its gate has a provenance sink: a sharded checkpoint is posted by rank 0's "
+                "gate alone (give the other ranks' gates sink=None)"
+            )
+        return None
 
     def _require_directory(self) -> Path:
         if self.directory is None:

@@ -43,6 +43,7 @@ __all__ = [
     "MANIFEST_NAME",
     "CheckpointIntegrityError",
     "check_manifest",
+    "every_rank",
     "load_sharded",
     "load_unsharded",
     "save_sharded",
@@ -145,6 +146,16 @@ def _from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def every_rank(value: Any) -> tuple[int, list[Any]]:
+    """This rank and every rank's ``value`` (collective; ``(0, [value])`` without a process
+    group): what lets all ranks refuse alike before a collective write, none left waiting."""
+    if not _distributed():
+        return 0, [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return dist.get_rank(), values
 
 
 def save_sharded(final: Path, state: dict[str, Any]) -> str:

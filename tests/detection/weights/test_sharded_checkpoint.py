@@ -223,6 +223,16 @@ def _load_at_two(
     out["continued"] = _train(guard, model, optim, rank, range(SAVED + 1, SAVED + 2))
     assert guard.last_outcome is not None
     out["moved_on"] = guard.last_outcome.fingerprint.hex() != fingerprint
+    # a sink on a rank but 0 (two posts a checkpoint): every rank refuses, none left waiting
+    gate = CheckpointGate(Path(flipped).parent / "sinks", audit_every=0, sink=_Ledger())
+    gate.observe(guard.last_outcome)
+    try:
+        msd, osd = get_state_dict(model, optim)
+        gate.write_sharded(SAVED + 1, {"model": msd, "optim": osd})
+        out["two_sinks"] = "written"
+    except GateError as err:
+        out["two_sinks"] = str(err)
+    out["nothing_written"] = not (Path(flipped).parent / "sinks").exists()
     guard.close()
     # a plain model under DDP: DCP loads the whole tensors into it
     plain = _plain(seed=9)
@@ -349,6 +359,9 @@ def test_loaded_at_world_two_and_under_ddp_a_flipped_shard_bit_is_refused(
         assert r["ddp_verified"] == record["fingerprint"]
         assert "learnt by 4 ranks" in r["state_at_two"]
         assert r["continued"] == [None]
+        assert "rank 1: its gate has a provenance sink" in r["two_sinks"]
+        assert "rank 0:" not in r["two_sinks"]
+        assert r["nothing_written"]
         assert r["moved_on"]
 
 
