@@ -106,9 +106,12 @@ def load_state(guard: _Guard, state: dict[str, Any]) -> None:
             f"({len(state['parameters'])} tensors against {len(sizes)}): load the state of "
             "this model's checkpoint"
         )
+    before = guard.checks.state_dict()
     try:
         guard.checks.load_state_dict(state["per_step"])
     except (KeyError, TypeError, ValueError) as exc:
+        # a state refused half-way (another kind of guard's) leaves the guard as it was
+        guard.checks.load_state_dict(before)
         raise GuardConfigError(f"guard state refused: {exc}") from exc
 
 

@@ -241,6 +241,15 @@ def _load_at_two(
     ddp = DistributedDataParallel(plain)
     ddp_guard = SDCGuard(ddp, plain_optim, loss_fn=_loss, config=GuardConfig(seed=1))
     out["ddp_verified"] = ddp_guard.verify_loaded(fingerprint).hex()
+    # each kind of guard refuses the other's learnt state and keeps its own
+    kept = (ddp_guard.state_dict()["per_step"], guard.state_dict()["per_step"])
+    for name, into, other in (("into_ddp", ddp_guard, guard), ("into_fsdp2", guard, ddp_guard)):
+        try:
+            into.load_state_dict(other.state_dict())
+            out[name] = "accepted"
+        except GuardConfigError as err:
+            out[name] = str(err)
+    out["kept"] = kept == (ddp_guard.state_dict()["per_step"], guard.state_dict()["per_step"])
     return out
 
 
@@ -357,6 +366,9 @@ def test_loaded_at_world_two_and_under_ddp_a_flipped_shard_bit_is_refused(
         assert r["forged_refused_on"] == [0, 1]  # the bytes loaded, the fingerprint refuses
         assert r["fsdp2_verified"] == record["fingerprint"]
         assert r["ddp_verified"] == record["fingerprint"]
+        assert "guard state refused" in r["into_ddp"]
+        assert "not a sharded guard's statistics" in r["into_fsdp2"]
+        assert r["kept"]
         assert "learnt by 4 ranks" in r["state_at_two"]
         assert r["continued"] == [None]
         assert "rank 1: its gate has a provenance sink" in r["two_sinks"]
