@@ -15,6 +15,11 @@ until :meth:`CheckpointGate.reopen` after recovery.
 Provenance goes to the ledger in an order that lets it draw the same conclusions: a checkpoint is
 posted before the audit that verifies it (an audit at step s is held back until checkpoint s,
 if one is due, has been posted).
+
+A sharded model's checkpoint (:meth:`CheckpointGate.write_sharded`) is written by every rank
+through ``torch.distributed.checkpoint`` and sealed by a manifest
+(:mod:`detection.weights.sharded_checkpoint`); its record carries the sha256 of the manifest and
+the sharding-invariant fingerprint, which any mesh (or DDP) that loads it must show again.
 """
 
 from __future__ import annotations
