@@ -15,6 +15,11 @@ until :meth:`CheckpointGate.reopen` after recovery.
 Provenance goes to the ledger in an order that lets it draw the same conclusions: a checkpoint is
 posted before the audit that verifies it (an audit at step s is held back until checkpoint s,
 if one is due, has been posted).
+
+A sharded model's checkpoint (:meth:`CheckpointGate.write_sharded`) is written by every rank
+through ``torch.distributed.checkpoint`` and sealed by a manifest
+(:mod:`detection.weights.sharded_checkpoint`); its record carries the sha256 of the manifest and
+the sharding-invariant fingerprint, which any mesh (or DDP) that loads it must show again.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "ProvenanceSink",
     "StepOutcome",
     "checkpoint_path",
+    "sharded_checkpoint_path",
     "state_path",
 ]
 
@@ -123,9 +129,16 @@ def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / f"ckpt-{step:06d}.pt"
 
 
+def sharded_checkpoint_path(directory: Path, step: int) -> Path:
+    """``<dir>/ckpt-<step:06d>/`` — the sharded checkpoint (a directory sealed by its
+    ``manifest.json``, :mod:`detection.weights.sharded_checkpoint`) of the state after ``step``."""
+    return directory / f"ckpt-{step:06d}"
+
+
 def state_path(checkpoint: Path | str) -> Path:
     """Where the guard's state of a checkpoint file lies (:mod:`detection.guard.state`): beside
-    it, ``ckpt-000120.pt`` → ``ckpt-000120.sdcguard.pt``."""
+    it, ``ckpt-000120.pt`` → ``ckpt-000120.sdcguard.pt``; a sharded checkpoint's directory
+    ``ckpt-000120/`` → ``ckpt-000120.sdcguard.pt`` too."""
     path = Path(checkpoint)
     return path.with_name(path.stem + _GUARD_STATE_SUFFIX)
 
@@ -272,8 +285,85 @@ class CheckpointGate:
         state whose fingerprint the record carries (a guard that defers its decision decides
         it at ``guard.flush()``).
         """
+        directory = self._require_directory()
+        last = self._require_decided(step)
+        # taken once the step is decided (checked above): the state that step left
+        guard_state = self._guard_state() if self._guard_state is not None else None
+        directory.mkdir(parents=True, exist_ok=True)
+        final = checkpoint_path(directory, step)
+        temp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        try:
+            writer(temp)
+            with temp.open("rb+") as fh:
+                os.fsync(fh.fileno())
+            digest = _sha256(temp)
+            os.replace(temp, final)
+        finally:
+            temp.unlink(missing_ok=True)
+        self._beside(final, guard_state, last)
+        return self._record(step, uri or self._uri(final), digest, last)
+
+    def write_sharded(
+        self, step: int, state: dict[str, Any], *, uri: str | None = None
+    ) -> CheckpointRecord:
+        """Collective, on every rank (each holds a gate observing the same guard decisions):
+        write ``state`` — DTensors and tensors, e.g. ``{"model": …, "optim": …}`` from
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` — through
+        ``torch.distributed.checkpoint`` as ``<dir>/ckpt-<step:06d>/``, sealed by its
+        ``manifest.json`` (:mod:`detection.weights.sharded_checkpoint`), and record it.
+
+        Every rank returns the same record: ``uri`` the manifest's (default
+        ``<uri_prefix>/ckpt-<step>/manifest.json``, or the local path), ``sha256`` the manifest
+        bytes', ``fingerprint`` the sharding-invariant fingerprint the guard decided for
+        ``step`` (any mesh, or DDP, that loads it must show the same in ``verify_loaded``);
+        status and evidence as for :meth:`write`. Only rank 0's gate may hold a sink (one post
+        to the ledger a checkpoint); rank 0 writes the guard's state beside the directory
+        (``ckpt-<step>.sdcguard.pt``). Must be called right after the guard decided ``step``.
+        """
+        from detection.weights.sharded_checkpoint import (
+            MANIFEST_NAME,
+            every_rank,
+            save_sharded,
+        )
+
+        rank, reasons = every_rank(self._refusal(step))
+        refused = [f"rank {r}: {reason}" for r, reason in enumerate(reasons) if reason]
+        if refused:  # on every rank alike, before any rank writes: none waits for another
+            raise GateError(f"sharded checkpoint of step {step} refused: " + "; ".join(refused))
+        directory = self._require_directory()
+        last = self._require_decided(step)
+        guard_state = self._guard_state() if self._guard_state is not None else None
+        final = sharded_checkpoint_path(directory, step)
+        digest = save_sharded(final, state)
+        if rank == 0:
+            self._beside(final, guard_state, last)
+        return self._record(step, uri or self._uri(final / MANIFEST_NAME), digest, last)
+
+    def _refusal(self, step: int) -> str | None:
+        """Why this rank's gate must not write a sharded checkpoint of ``step`` (``None``: it
+        may): no directory, ``step`` not the step just decided, or a sink on a rank but 0."""
+        import torch.distributed as dist
+
+        try:
+            self._require_directory()
+            self._require_decided(step)
+        except GateError as err:
+            return str(err)
+        if self._sink is not None and dist.is_initialized() and dist.get_rank() != 0:
+            return (
+                "its gate has a provenance sink: a sharded checkpoint is posted by rank 0's "
+                "gate alone (give the other ranks' gates sink=None)"
+            )
+        return None
+
+    def _require_directory(self) -> Path:
         if self.directory is None:
             raise GateError("this gate has no checkpoint directory")
+        return self.directory
+
+    def _require_decided(self, step: int) -> StepOutcome:
+        """The guard's outcome of ``step``: a checkpoint is written right after its decision,
+        so the recorded fingerprint is the written state's."""
         if self._last is None or self._last.step != step:
             seen = None if self._last is None else self._last.step
             raise GateError(
@@ -286,28 +376,33 @@ class CheckpointGate:
                     else ""
                 )
             )
-        # taken once the step is decided (checked above): the state that step left
-        guard_state = self._guard_state() if self._guard_state is not None else None
-        self.directory.mkdir(parents=True, exist_ok=True)
-        final = checkpoint_path(self.directory, step)
-        temp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        try:
-            writer(temp)
-            with temp.open("rb+") as fh:
-                os.fsync(fh.fileno())
-            digest = _sha256(temp)
-            os.replace(temp, final)
-        finally:
-            temp.unlink(missing_ok=True)
+        return self._last
+
+    def _uri(self, path: Path) -> str:
+        """``<uri_prefix>/<path relative to the directory>``, or the local absolute path."""
+        assert self.directory is not None
+        if self.uri_prefix:
+            return f"{self.uri_prefix.rstrip('/')}/{path.relative_to(self.directory).as_posix()}"
+        return str(path.resolve())
+
+    def _beside(
+        self, checkpoint: Path, guard_state: dict[str, Any] | None, last: StepOutcome
+    ) -> None:
+        """The guard's state beside ``checkpoint`` — tied to it by the weights' fingerprint
+        (read_state's caller checks) — and the directory's entries made durable."""
         if guard_state is not None:
-            # the weights' fingerprint ties it to this checkpoint (read_state's caller checks)
-            fingerprint = self._last.fingerprint.hex()
-            self._write_guard_state(final, {**guard_state, "fingerprint": fingerprint})
+            fingerprint = last.fingerprint.hex()
+            self._write_guard_state(checkpoint, {**guard_state, "fingerprint": fingerprint})
+        assert self.directory is not None
         dir_fd = os.open(self.directory, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+    def _record(self, step: int, uri: str, digest: str, last: StepOutcome) -> CheckpointRecord:
+        """Record the checkpoint just written, with the status the evidence so far gives it,
+        and post it (and, without audits, the vote that verified it) to the ledger."""
         if self.closed:
             status = CheckpointStatus.QUARANTINED
             assert self._alarm is not None
@@ -316,19 +411,14 @@ class CheckpointGate:
                 "layer": str(self._alarm.layer),
             }
         else:
-            found = self._evidence(self._last)
+            found = self._evidence(last)
             status = CheckpointStatus.VERIFIED if found else CheckpointStatus.PENDING
             evidence = found or {}
         record = CheckpointRecord(
             step=step,
-            uri=uri
-            or (
-                f"{self.uri_prefix.rstrip('/')}/{final.name}"
-                if self.uri_prefix
-                else str(final.resolve())
-            ),
+            uri=uri,
             sha256=digest,
-            fingerprint=self._last.fingerprint.hex(),
+            fingerprint=last.fingerprint.hex(),
             status=status,
             evidence=evidence,
         )
@@ -339,7 +429,7 @@ class CheckpointGate:
                 {
                     "step": step,
                     "kind": "fingerprint",
-                    "ranks": list(self._last.ranks),
+                    "ranks": list(last.ranks),
                     "passed": True,
                 }
             )

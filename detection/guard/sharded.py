@@ -60,6 +60,7 @@ from detection.guard.sharded_decision import ROW_WORDS, Row, ShardedDecision, wo
 from detection.guard.sharded_hook import CheckedAllGather, CheckedReduceScatter
 from detection.guard.sharded_stats import ShardedStats
 from detection.guard.sharding import ShardedLayout, adopt_sharded, refuse_unsupported, user_comms
+from detection.guard.state import load_state, state_of
 from detection.guard.trace_mode import TraceMode
 from detection.row.gather import all_gather_table
 from detection.transport.alarm import Alarm
@@ -125,11 +126,8 @@ class ShardedGuard:
         self.halted = False
         self.last_outcome: StepOutcome | None = None
         self._current: _Step | None = None
-        self.stats = (
-            ShardedStats(self.world_size, self.config.stats, self.nodes)
-            if self.config.step_checks
-            else None
-        )
+        # built with step_checks off too (it then learns nothing): its state is the guard's
+        self.stats = ShardedStats(self.world_size, self.config.stats, self.nodes)
         self.decision = ShardedDecision(self.layout.replicas, self.nodes, self.layout.gatherers)
         inner_rs, inner_ag = user_comms(comm_hook) or (None, None)
         self.reduce_scatter = CheckedReduceScatter(self.device, inner=inner_rs)
@@ -143,6 +141,8 @@ class ShardedGuard:
             self._handles.append(opt.register_step_post_hook(self._after_optimizer_step))
         if self.sender is not None and self.rank == 0:
             self.sender.register_ranks(identities)
+        if gate is not None:
+            gate.bind_guard_state(self.state_dict)  # written beside each checkpoint
         _log.info(
             "sdcguard started on %s (mesh %s): %s",
             "HSDP" if self.layout.hsdp else "FSDP2",
@@ -228,6 +228,27 @@ class ShardedGuard:
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         current.grad_nonfinite = any_nonfinite(grads) if grads else None
 
+    @property
+    def checks(self) -> ShardedStats:
+        """The per-step layer's learnt statistics (what :meth:`state_dict` carries)."""
+        return self.stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """The per-step layer's learnt state (:mod:`detection.guard.state`), the same on every
+        rank: save it with the checkpoint (a :class:`CheckpointGate` writes it beside each
+        one), so a resumed job of the same world size is armed at its first step. Call between
+        steps."""
+        if self._current is not None:
+            raise GuardUsageError("guard.state_dict() inside a step: call it between steps")
+        return state_of(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over a :meth:`state_dict` (on every rank, before the first resumed step); a
+        state of another world size, model or kind of guard raises :class:`GuardConfigError`."""
+        if self._current is not None:
+            raise GuardUsageError("guard.load_state_dict() inside a step: call it between steps")
+        load_state(self, state)
+
     def verify_loaded(self, expected: Fingerprint | str) -> Fingerprint:
         """After loading a (resharded) checkpoint: every replica of the model (under FSDP2 the
         one copy) holds the recorded fingerprint (collective; raises
@@ -304,7 +325,7 @@ class ShardedGuard:
                 "same step number to guard.step()"
             )
         outcome = self.decision.decide(current.step, rows)
-        if outcome.alarm is None and self.stats is not None:
+        if outcome.alarm is None and self.config.step_checks:
             floats = [[word_float(w) for w in r[ROW_WORDS:]] for r in table]
             found = self.stats.decide(current.step, floats, learn=True)
             self.counters.step_checks = self.stats.tested

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from detection.stepcheck.checks import WEAKER
 from detection.stepcheck.gradstats import StatsConfig
@@ -22,6 +23,8 @@ from detection.stepcheck.gradstats_detector import GradStatsDetector
 from detection.transport.alarm import Alarm, Layer, Phase
 
 __all__ = ["ShardedStats"]
+
+_COLLECTIVE = "reduce-scatter"
 
 
 class ShardedStats:
@@ -33,6 +36,27 @@ class ShardedStats:
         self.nodes = tuple(nodes)
         self.detector = GradStatsDetector(world_size, config)
         self.tested = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the tests learnt (:mod:`detection.guard.state` carries it with a checkpoint),
+        marked as a reduce-scatter's statistics: a DDP guard's (of gradient buckets) is not
+        taken for them, nor the reverse."""
+        return {
+            "collective": _COLLECTIVE,
+            "gradstats": self.detector.state_dict(),
+            "tested_steps": self.tested,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over a :meth:`state_dict` (``ValueError`` for another kind or world size): the
+        next step is tested against what was learnt."""
+        if state.get("collective") != _COLLECTIVE:
+            raise ValueError(
+                "not a sharded guard's statistics (a DDP guard's are of gradient buckets, not "
+                "of a sharded model's reduce-scatters)"
+            )
+        self.detector.load_state_dict(state["gradstats"])
+        self.tested = int(state["tested_steps"])
 
     def decide(self, step: int, rows: Sequence[Sequence[float]], *, learn: bool) -> Alarm | None:
         """The step's finding (``None`` while calibrating or when nothing stands out); a

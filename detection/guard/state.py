@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from detection.gate import StepOutcome, state_path
 from detection.guard.config import GuardConfig, GuardConfigError
-from detection.stepcheck.checks import StepChecks
 
 if TYPE_CHECKING:
     from torch import nn
@@ -44,9 +43,18 @@ FORMAT = "sdcguard-guard-state"
 VERSION = 1
 
 
+class _Learner(Protocol):
+    """The per-step layer that learns: the DDP guard's
+    :class:`~detection.stepcheck.checks.StepChecks`, the sharded guard's
+    :class:`~detection.guard.sharded_stats.ShardedStats` (each refuses the other's state)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class _Guard(Protocol):
-    """What of an :class:`~detection.guard.SDCGuard` its state is read from and written to
-    (a protocol: the guard imports this module, not the reverse)."""
+    """What of an :class:`~detection.guard.SDCGuard` (or its sharded guard) its state is read
+    from and written to (a protocol: the guard imports this module, not the reverse)."""
 
     @property
     def world_size(self) -> int: ...
@@ -55,7 +63,7 @@ class _Guard(Protocol):
     @property
     def config(self) -> GuardConfig: ...
     @property
-    def checks(self) -> StepChecks: ...
+    def checks(self) -> _Learner: ...
     @property
     def last_outcome(self) -> StepOutcome | None: ...
 
@@ -98,9 +106,12 @@ def load_state(guard: _Guard, state: dict[str, Any]) -> None:
             f"({len(state['parameters'])} tensors against {len(sizes)}): load the state of "
             "this model's checkpoint"
         )
+    before = guard.checks.state_dict()
     try:
         guard.checks.load_state_dict(state["per_step"])
     except (KeyError, TypeError, ValueError) as exc:
+        # a state refused half-way (another kind of guard's) leaves the guard as it was
+        guard.checks.load_state_dict(before)
         raise GuardConfigError(f"guard state refused: {exc}") from exc
 
 

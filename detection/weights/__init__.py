@@ -5,6 +5,8 @@
   computes it; :mod:`~detection.weights.plan` takes it every step for one fixed list;
 * :mod:`~detection.weights.sharded` — the same fingerprint of sharded weights (FSDP2, HSDP,
   DTensor): each shard at its unsharded positions, one all-reduce of the parts;
+* :mod:`~detection.weights.sharded_checkpoint` — a ``torch.distributed.checkpoint`` directory
+  sealed by a manifest, checked file by file before loading (imported where used: it loads DCP);
 * :mod:`~detection.weights.vote` — a strict-majority verdict over one value per rank;
 * :mod:`~detection.weights.state` — the model's and optimizer's state as tensor lists;
 * :mod:`~detection.weights.load_check` — every replica holds the checkpoint's weights after load;
