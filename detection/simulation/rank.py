@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from detection.audit.ring import AuditMode, seed_rng, step_seed
+from detection.faults.spec import FaultSpec
 from detection.gate import CheckpointGate, StepOutcome
 from detection.guard import GuardConfig, GuardConfigError, SDCGuard
 from detection.guard.state import read_state
@@ -53,7 +54,9 @@ from detection.simulation.diagnostics import (
     write_probe,
 )
 from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.simulation.parallel import audit_every_of, is_sharded
 from detection.simulation.report import Progress, build_report, write_report
+from detection.simulation.sharded import ShardedFaults, final_fingerprint, shard_model
 from detection.simulation.termination import StopRequest, Terminated
 from detection.weights.fingerprint import weight_fingerprint
 from detection.weights.load_check import verify_after_load
@@ -69,13 +72,15 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def guard_config_of(config: TrainConfig) -> GuardConfig:
-    """The guard's configuration for this job, the same on every rank."""
+    """The guard's configuration for this job, the same on every rank. A sharded job's
+    faults are the harness's to inject (:class:`ShardedFaults`): the sharded guard injects
+    none."""
     return GuardConfig(
-        audit_every=config.audit_every,
+        audit_every=audit_every_of(config),
         audit_mode=AuditMode(config.audit_mode),
         seed=config.seed,
         halt_on_alarm=config.halt_on_alarm,
-        inject=injected_faults(config),
+        inject=() if is_sharded(config) else injected_faults(config),
         abft=config.abft,
         step_checks=config.step_checks,
         skip_update_on_alarm=config.skip_update_on_alarm,
@@ -142,7 +147,7 @@ class _Job:
     nodes: list[str]
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    ddp: DistributedDataParallel
+    ddp: nn.Module  # what the loop calls: the DDP wrapper, or the sharded model itself
     microbatch: Callable[[int, int], Batch]
     start: int
     capture: LocalGradientCapture | None
@@ -150,6 +155,7 @@ class _Job:
     gate: CheckpointGate | None
     guard: SDCGuard | None
     trace: IO[str] | None = None
+    faults: ShardedFaults | None = None  # a sharded job's --inject, applied by the harness
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -181,7 +187,13 @@ def train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]:
             raise Terminated() from None
     finally:
         _close(job, progress.terminating)
-    report = build_report(job.config, job.nodes, job.model, job.guard, job.gate, progress)
+    final = None
+    if is_sharded(config):  # the weights are spread over the ranks: sum the parts
+        final = progress.completed_fp if progress.terminating else None
+        final = final or final_fingerprint(job.model, collective=not progress.terminating)
+    report = build_report(
+        job.config, job.nodes, job.model, job.guard, job.gate, progress, final=final
+    )
     if rank == 0:
         # Written here, before the webhook flush, not by the launcher: a launcher that is
         # stopped meanwhile would lose it.
@@ -197,6 +209,8 @@ def _set_up(rank: int, config: TrainConfig, secret: str | None) -> _Job:
     device = torch.device("cpu")
     torch.manual_seed(config.seed)
     model = TinyTransformer(cfg)
+    if is_sharded(config):
+        return _set_up_sharded(rank, config, secret, shard_model(model, config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start, expected = _resume(config, model, optimizer)
     ddp = DistributedDataParallel(model)
@@ -216,15 +230,7 @@ def _set_up(rank: int, config: TrainConfig, secret: str | None) -> _Job:
 
     capture = LocalGradientCapture(list(model.parameters())) if config.trace is not None else None
     sender = None if config.plain else _sender(config, rank, secret)
-    gate = None
-    if rank == 0:
-        gate = CheckpointGate(
-            config.checkpoint_dir,
-            audit_every=config.audit_every,
-            nodes=nodes,
-            sink=sender,
-            job_id=config.job,
-        )
+    gate = _gate(rank, config, nodes, sender)
     job = _Job(
         rank, config, nodes, model, optimizer, ddp, microbatch, start, capture, sender, gate, None
     )
@@ -232,6 +238,40 @@ def _set_up(rank: int, config: TrainConfig, secret: str | None) -> _Job:
     if job.guard is not None and config.resume_from is not None:
         _load_guard_state(job.guard, config.resume_from, expected, job.extra)
     return job
+
+
+def _set_up_sharded(rank: int, config: TrainConfig, secret: str | None, model: nn.Module) -> _Job:
+    """A ``--parallel fsdp|hsdp`` rank: the sharded model is what the loop calls, the guard
+    is the same call, the faults are the harness's (no checkpoint, no resume, no trace: the
+    options refuse them)."""
+    nodes, cfg = config.node_names(), ModelConfig()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    def microbatch(step: int, r: int) -> Batch:
+        return make_batch(cfg, config.seed, step, r, torch.device("cpu"))
+
+    sender = None if config.plain else _sender(config, rank, secret)
+    gate = _gate(rank, config, nodes, sender)
+    job = _Job(
+        rank, config, nodes, model, optimizer, model, microbatch, 0, None, sender, gate, None
+    )
+    job.guard = _guard(job)
+    specs = [FaultSpec.parse(s) for s in injected_faults(config)]
+    if specs:
+        job.faults = ShardedFaults(specs, model, optimizer, rank=rank, node=nodes[rank])
+    return job
+
+
+def _gate(rank: int, config: TrainConfig, nodes: list[str], sender: Any) -> CheckpointGate | None:
+    if rank != 0:
+        return None
+    return CheckpointGate(
+        config.checkpoint_dir,
+        audit_every=audit_every_of(config),
+        nodes=nodes,
+        sink=sender,
+        job_id=config.job,
+    )
 
 
 def _resume(
@@ -270,6 +310,7 @@ def _guard(job: _Job) -> SDCGuard | None:
     on plain DDP instead)."""
     if job.config.plain:
         if job.capture is not None:
+            assert isinstance(job.ddp, DistributedDataParallel)  # --trace is DDP's only
             job.ddp.register_comm_hook(None, job.capture.hook)
         return None
     nodes, rank = job.nodes, job.rank
@@ -327,11 +368,18 @@ def _train_step(job: _Job, step: int, *, flush: bool) -> tuple[torch.Tensor, Ste
         loss.backward()
         job.optimizer.step()
         return loss, None
-    with guard.step(step):
-        job.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(job.ddp, job.microbatch(step, job.rank))
-        guard.backward(loss)
-        job.optimizer.step()
+    faults = job.faults
+    if faults is not None:
+        faults.begin_step(step)
+    try:
+        with guard.step(step):
+            job.optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(job.ddp, job.microbatch(step, job.rank))
+            guard.backward(loss)
+            job.optimizer.step()
+    finally:
+        if faults is not None:
+            faults.end_step()
     if flush or job.trace is not None or job.capture is not None:
         guard.flush()  # these record this step's outcome (deferred: decide it now)
     return loss, guard.last_outcome
@@ -373,6 +421,8 @@ def _checkpoint(job: _Job, step: int, outcome: StepOutcome | None) -> None:
 def _close(job: _Job, terminating: bool) -> None:
     if job.trace is not None:
         job.trace.close()
+    if job.faults is not None:
+        job.faults.close()
     with _quiet_if(terminating):  # peers may be gone: cleanup must not hide the report
         if job.guard is not None:
             job.guard.close()
