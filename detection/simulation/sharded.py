@@ -30,6 +30,7 @@ step instead, or this rank's own part when none was decided.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,11 +56,15 @@ __all__ = ["ShardedFaults", "final_fingerprint", "shard_model"]
 _log = logging.getLogger(__name__)
 
 _GRADIENT_KINDS = (FaultKind.GRAD_FLIP, FaultKind.GRAD_NAN)
+_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
 
 def shard_model(model: nn.Module, config: TrainConfig) -> nn.Module:
     """``model`` with ``fully_shard`` on each of its ``blocks`` and on the root, over this
     job's mesh (collective: every rank builds the mesh)."""
+    # FSDP2 warns, on every rank, that the root returns a view (the head's logits) an in-place
+    # op would break; the built-in loss only reshapes them. Said once here instead.
+    warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
     shape = mesh_shape(config)
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -69,6 +74,9 @@ def shard_model(model: nn.Module, config: TrainConfig) -> nn.Module:
     for block in blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    _log.info(
+        "%s: fully_shard on %d blocks and the root, mesh %s", config.parallel, len(blocks), shape
+    )
     return model
 
 
