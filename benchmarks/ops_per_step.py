@@ -393,9 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tables = table(args.blocks, args.variants, warm=args.warm, by_source=args.by_source)
     print(
-        f"operations per step (DDP world {WORLD}, blocks of Linear+LayerNorm+GELU width "
-        f"{WIDTH}, audits off unless named, torch {torch.__version__}, the GPU path: "
-        "SDCGUARD_NATIVE=0)"
+        f"operations per step (world {WORLD}: DDP, FSDP2 for fsdp, HSDP 2x1 for hsdp; blocks "
+        f"of Linear+LayerNorm+GELU width {WIDTH}, audits off unless named, torch "
+        f"{torch.__version__}, the GPU path: SDCGUARD_NATIVE=0)"
     )
     for variant, rows in tables.items():
         print()

@@ -94,7 +94,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise :class:`HarnessConfigError` naming the first contradiction."""
-        for ok, message in [*self._checks(), *parallel_checks(self)]:
+        for ok, message in [*parallel_checks(self), *self._checks()]:
             if not ok:
                 raise HarnessConfigError(message)
         for spec in self.inject:
