@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from detection.harness import TrainConfig, main, parse_config, run
+from detection.simulation.parallel import mesh_shape
 from detection.simulation.rank import guard_config_of
 
 
@@ -24,13 +25,18 @@ def _job(**options: Any) -> dict[str, Any]:
     return run(TrainConfig(**{"world_size": 2, "steps": 5, "seed": 3, **options}))
 
 
-def test_the_options_give_the_sharded_guard_no_audit_and_no_injection() -> None:
+def test_the_options_give_the_sharded_guard_no_audit_no_injection_and_their_mesh() -> None:
     """The ring audit and the injection are not the sharded guard's: the audit is off (one
-    place decides it), the faults go to the harness's own hooks."""
+    place decides it), the faults go to the harness's own hooks; the mesh follows the
+    options."""
     fsdp = guard_config_of(parse_config(["--parallel", "fsdp", "--inject", "grad-flip@1:2"]))
     assert (fsdp.audit_every, fsdp.inject) == (0, ())
     ddp = guard_config_of(parse_config(["--inject", "grad-flip@1:2"]))
     assert (ddp.audit_every, ddp.inject) == (10, ("grad-flip@1:2",))
+    # HSDP shards within a node unless told: 4 ranks, 2 a node -> 2 replicas of 2 shards
+    assert mesh_shape(parse_config(["--parallel", "hsdp", "--ranks-per-node", "2"])) == (2, 2)
+    assert mesh_shape(parse_config(["--parallel", "hsdp", "--shard-size", "4"])) == (1, 4)
+    assert mesh_shape(parse_config(["--parallel", "fsdp"])) == (4,)
 
 
 def test_clean_sharded_runs_raise_no_alarm_and_report_what_ddp_reports() -> None:
@@ -83,6 +89,7 @@ def test_a_weight_flip_under_hsdp_with_two_replicas_is_detected_not_named() -> N
         (["--parallel", "fsdp", "--inject", "act-flip@0:2:in=recompute"], "no ring audit"),
         (["--parallel", "fsdp", "--shard-size", "1"], "--shard-size applies to --parallel hsdp"),
         (["--parallel", "hsdp", "--shard-size", "3"], "do not split into replicas of 3"),
+        (["--parallel", "hsdp", "--nodes", "a,b,a,b"], "a node's ranks are not consecutive"),
     ],
 )
 def test_what_the_sharded_guard_does_not_run_is_refused_with_the_reason(
