@@ -128,7 +128,9 @@ class TrainConfig:
             ),
             (self.nodes is None or all(self.nodes), "--nodes names must not be empty"),
             (
-                self.resume_from is None or self.resume_from.is_file(),
+                self.resume_from is None
+                or self.resume_from.is_file()
+                or (self.parallel != "ddp" and self.resume_from.is_dir()),
                 f"--resume-from {self.resume_from}: no such checkpoint file",
             ),
             (

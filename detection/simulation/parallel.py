@@ -12,10 +12,11 @@ plane check a job's options before any torch import).
 The sharded guard (:mod:`detection.guard.sharded`) does not run every layer the DDP guard
 does. What a sharded job therefore does not do is decided in one place each, here:
 :data:`SHARDED_RING_AUDIT` (the ring audit: until the sharded guard runs it, the job's
-``audit_every`` is taken as 0) and :data:`SHARDED_CHECKPOINTS` (checkpoints and resume: until
-the gate writes a sharded checkpoint, ``--checkpoint-every`` and ``--resume-from`` are
-refused). Options the sharded guard refuses are refused before any rank starts, naming the
-option and the reason (:func:`parallel_checks`).
+``audit_every`` is taken as 0) and :data:`SHARDED_CHECKPOINTS` (checkpoints and resume: a
+sharded checkpoint is a directory ``ckpt-<step>/`` sealed by its ``manifest.json``, written by
+every rank through the gate, resumed from the directory or the manifest under any mesh).
+Options the sharded guard refuses are refused before any rank starts, naming the option and
+the reason (:func:`parallel_checks`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
 ]
 
 PARALLEL_MODES = ("ddp", "fsdp", "hsdp")
+_MANIFEST = "manifest.json"  # what seals a sharded checkpoint (weights.sharded_checkpoint)
 
 
 class TrainConfig(Protocol):
@@ -65,9 +67,9 @@ class TrainConfig(Protocol):
 #: does, this turns true and the job audits as a DDP job does.
 SHARDED_RING_AUDIT = False
 
-#: Whether a sharded job writes and resumes checkpoints. While it does not,
-#: ``--checkpoint-every`` and ``--resume-from`` are refused under ``fsdp``/``hsdp``.
-SHARDED_CHECKPOINTS = False
+#: Whether a sharded job writes and resumes checkpoints (``CheckpointGate.write_sharded``);
+#: false refuses ``--checkpoint-every`` and ``--resume-from`` under ``fsdp``/``hsdp``.
+SHARDED_CHECKPOINTS = True
 
 #: The ``--inject`` kinds a sharded job suffers (:mod:`detection.simulation.sharded_faults`):
 #: a rank's own unsharded gradient before the reduce-scatter, its forward, its weight shards
@@ -118,6 +120,13 @@ def parallel_checks(config: TrainConfig) -> list[tuple[bool, str]]:
     if mode != "hsdp":
         checks.append((config.shard_size is None, "--shard-size applies to --parallel hsdp"))
     if mode == "ddp":
+        checks.append(
+            (
+                config.resume_from is None or config.resume_from.name != _MANIFEST,
+                f"--resume-from {config.resume_from}: a sharded checkpoint's manifest; resume "
+                "it with the --parallel fsdp|hsdp it was written under (or another mesh)",
+            )
+        )
         return checks
     why = f"--parallel {mode}"
     checks += _layout_checks(config)
@@ -140,7 +149,17 @@ def parallel_checks(config: TrainConfig) -> list[tuple[bool, str]]:
             "DDP's gradient buckets and the diagnostic replay, which trace DDP jobs only",
         ),
     ]
-    if not SHARDED_CHECKPOINTS:
+    if SHARDED_CHECKPOINTS:
+        checks.append(
+            (
+                config.resume_from is None
+                or config.resume_from.name == _MANIFEST
+                or not config.resume_from.is_file(),
+                f"{why}: --resume-from {config.resume_from} is a file; a sharded checkpoint is "
+                f"a directory (ckpt-<step>/) or its {_MANIFEST}",
+            )
+        )
+    else:
         checks += [
             (
                 config.checkpoint_every == 0,

@@ -43,6 +43,7 @@ from detection.simulation.config import (
     KEY_ID_ENV,
     SECRET_ENV,
     HarnessConfigError,
+    HarnessError,
     TrainConfig,
     injected_faults,
 )
@@ -56,7 +57,13 @@ from detection.simulation.diagnostics import (
 from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
 from detection.simulation.parallel import audit_every_of, is_sharded
 from detection.simulation.report import Progress, build_report, write_report
-from detection.simulation.sharded import ShardedFaults, final_fingerprint, shard_model
+from detection.simulation.sharded import (
+    ShardedFaults,
+    final_fingerprint,
+    load_checkpoint,
+    shard_model,
+    write_checkpoint,
+)
 from detection.simulation.termination import StopRequest, Terminated
 from detection.weights.fingerprint import weight_fingerprint
 from detection.weights.load_check import verify_after_load
@@ -242,10 +249,13 @@ def _set_up(rank: int, config: TrainConfig, secret: str | None) -> _Job:
 
 def _set_up_sharded(rank: int, config: TrainConfig, secret: str | None, model: nn.Module) -> _Job:
     """A ``--parallel fsdp|hsdp`` rank: the sharded model is what the loop calls, the guard
-    is the same call, the faults are the harness's (no checkpoint, no resume, no trace: the
-    options refuse them)."""
+    is the same call, the faults are the harness's; a resumed rank loads its shards before
+    the guard exists, which then verifies them (no trace: the options refuse it)."""
     nodes, cfg = config.node_names(), ModelConfig()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    start, expected, loaded = 0, None, None
+    if config.resume_from is not None:
+        start, expected, loaded = load_checkpoint(config.resume_from, model, optimizer)
 
     def microbatch(step: int, r: int) -> Batch:
         return make_batch(cfg, config.seed, step, r, torch.device("cpu"))
@@ -253,23 +263,45 @@ def _set_up_sharded(rank: int, config: TrainConfig, secret: str | None, model: n
     sender = None if config.plain else _sender(config, rank, secret)
     gate = _gate(rank, config, nodes, sender)
     job = _Job(
-        rank, config, nodes, model, optimizer, model, microbatch, 0, None, sender, gate, None
+        rank, config, nodes, model, optimizer, model, microbatch, start, None, sender, gate, None
     )
     job.guard = _guard(job)
+    if expected is not None and loaded is not None:
+        _verify_sharded(job, expected)
+        if job.guard is not None:
+            _load_guard_state(job.guard, loaded, expected, job.extra)
+        _log.info("resumed from %s at step %d", config.resume_from, start, extra=job.extra)
     specs = [FaultSpec.parse(s) for s in injected_faults(config)]
     if specs:
         job.faults = ShardedFaults(specs, model, optimizer, rank=rank, node=nodes[rank])
     return job
 
 
+def _verify_sharded(job: _Job, expected: str) -> None:
+    """The loaded shards hold the recorded weights (collective): the guard's check, or for a
+    plain job the same fingerprint compared here."""
+    if job.guard is not None:
+        job.guard.verify_loaded(expected)
+        return
+    found = final_fingerprint(job.model, collective=True, parameters_only=True)
+    if found.hex() != expected:
+        raise HarnessError(
+            f"--resume-from {job.config.resume_from}: loaded weights {found.hex()}, "
+            f"recorded {expected}"
+        )
+
+
 def _gate(rank: int, config: TrainConfig, nodes: list[str], sender: Any) -> CheckpointGate | None:
-    if rank != 0:
+    """Rank 0's gate, which reports and posts; a sharded job that checkpoints gives every rank
+    one (the sharded write is collective), with no sink but rank 0's."""
+    writes_everywhere = is_sharded(config) and config.checkpoint_every > 0
+    if rank != 0 and not writes_everywhere:
         return None
     return CheckpointGate(
         config.checkpoint_dir,
         audit_every=audit_every_of(config),
         nodes=nodes,
-        sink=sender,
+        sink=sender if rank == 0 else None,
         job_id=config.job,
     )
 
@@ -387,6 +419,10 @@ def _train_step(job: _Job, step: int, *, flush: bool) -> tuple[torch.Tensor, Ste
 
 def _checkpoint(job: _Job, step: int, outcome: StepOutcome | None) -> None:
     assert job.gate is not None
+    if is_sharded(job.config):
+        ranks = range(job.config.world_size)
+        write_checkpoint(job.gate, job.model, job.optimizer, step, outcome, ranks)
+        return
     if outcome is None:  # plain DDP: a record with no evidence stays pending
         outcome = StepOutcome(
             step=step,

@@ -21,6 +21,15 @@ makes the rank suffer the spec, at the points the spec names, through the same
 * ``act-flip`` — the target module's output in the rank's forward (unchanged from DDP).
 * ``weight-flip`` — after ``optimizer.step``, an element of the shards this rank holds.
 
+*Checkpoints* (:func:`write_checkpoint`, :func:`load_checkpoint`). Every rank writes its
+shards through the gate's ``write_sharded`` (``torch.distributed.checkpoint`` into
+``ckpt-<step>/``, sealed by ``manifest.json``: :mod:`detection.weights.sharded_checkpoint`),
+with the step and the fingerprint the guard decided for it (``meta``), and rank 0's buffers
+on every rank; a resumed rank loads
+them — from the directory or its manifest, the URI the ledger records — under any mesh,
+*before* the guard is built (``get_state_dict`` makes an empty optimizer state by stepping
+the optimizer), and the guard then verifies the loaded weights against that fingerprint.
+
 *The fingerprint.* :func:`final_fingerprint` is the unsharded model's (rank 0's parameters
 and persistent buffers, DESIGN's report contract), summed over the mesh — collective: every
 rank calls it. A stopped job cannot run a collective; it reports the guard's last decided
@@ -32,15 +41,19 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from detection.faults.injector import FaultInjector
 from detection.faults.spec import FaultKind, FaultSpec
+from detection.gate import CheckpointGate, CheckpointRecord, StepOutcome
 from detection.simulation.config import HarnessConfigError, TrainConfig
 from detection.simulation.parallel import mesh_shape
 from detection.weights.fingerprint import (
@@ -49,9 +62,16 @@ from detection.weights.fingerprint import (
     fingerprint_on_device,
 )
 from detection.weights.sharded import local_parts, sharded_fingerprint
-from detection.weights.state import model_state_tensors
+from detection.weights.sharded_checkpoint import load_sharded, sharded_directory
+from detection.weights.state import model_state_tensors, persistent_buffers
 
-__all__ = ["ShardedFaults", "final_fingerprint", "shard_model"]
+__all__ = [
+    "ShardedFaults",
+    "final_fingerprint",
+    "load_checkpoint",
+    "shard_model",
+    "write_checkpoint",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -78,6 +98,16 @@ def shard_model(model: nn.Module, config: TrainConfig) -> nn.Module:
         "%s: fully_shard on %d blocks and the root, mesh %s", config.parallel, len(blocks), shape
     )
     return model
+
+
+def _broadcast_buffers(module: nn.Module) -> None:
+    """Rank 0's persistent buffers to every rank (collective). FSDP2 leaves buffers
+    (BatchNorm's running statistics) to each rank, and a sharded checkpoint keeps one copy of
+    a tensor every rank holds, from whichever rank: written without this, a resumed rank 0
+    could get another rank's statistics and not continue bitwise as the run it resumes. Rank
+    0's own are what a DDP job keeps (DDP broadcasts them from rank 0)."""
+    for buffer in persistent_buffers(module):
+        dist.broadcast(buffer, src=0)
 
 
 class ShardedFaults:
@@ -150,13 +180,57 @@ class ShardedFaults:
         self.injector.close()
 
 
-def final_fingerprint(model: nn.Module, *, collective: bool) -> Fingerprint:
+def final_fingerprint(
+    model: nn.Module, *, collective: bool, parameters_only: bool = False
+) -> Fingerprint:
     """The unsharded model's fingerprint (collective), or — ``collective=False``, for a job
-    that was stopped and must not wait on its peers — this rank's own part of it."""
-    tensors = model_state_tensors(model)
+    that was stopped and must not wait on its peers — this rank's own part of it. With
+    ``parameters_only``, the parameters' alone: what the sharded guard decides and records."""
+    tensors = list(model.parameters()) if parameters_only else model_state_tensors(model)
     if collective:
         return sharded_fingerprint(tensors)
     parts = local_parts(tensors)
     if not parts.runs:
         return fingerprint_from_tensor(torch.zeros(2, dtype=torch.int64))
     return fingerprint_from_tensor(fingerprint_on_device(parts.runs, offsets=parts.offsets))
+
+
+def write_checkpoint(
+    gate: CheckpointGate,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    outcome: StepOutcome | None,
+    ranks: Sequence[int],
+) -> CheckpointRecord:
+    """Collective: the state after ``step`` through ``gate.write_sharded``, on every rank.
+    ``outcome``: the guard's decision of ``step``; ``None`` for a plain job, whose record then
+    carries the weights' fingerprint with no evidence (it stays pending)."""
+    if outcome is None:
+        fingerprint = sharded_fingerprint(model.parameters())  # the guard's: the parameters
+        outcome = StepOutcome(step, tuple(ranks), fingerprint, vote_passed=False)
+        gate.observe(outcome)
+    _broadcast_buffers(model)
+    msd, osd = get_state_dict(model, optimizer)
+    meta = {"step": step, "fingerprint": outcome.fingerprint.hex()}
+    return gate.write_sharded(step, {"model": msd, "optim": osd, "meta": meta})
+
+
+def load_checkpoint(
+    where: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[int, str, Path]:
+    """Collective: load the sharded checkpoint at ``where`` (its directory or manifest) into
+    ``model`` and ``optimizer`` — checked against its manifest first, resharded to this mesh —
+    before any guard exists. Returns the first step to run, the fingerprint the loaded
+    parameters must show (``guard.verify_loaded``), and the checkpoint's directory (the
+    guard's state lies beside it)."""
+    msd, osd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": msd, "optim": osd, "meta": {"step": -1, "fingerprint": ""}}
+    load_sharded(where, state)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    meta = state["meta"]
+    if int(meta["step"]) < 0 or not meta["fingerprint"]:
+        raise HarnessConfigError(f"--resume-from {where}: the checkpoint records no step")
+    return int(meta["step"]) + 1, str(meta["fingerprint"]), sharded_directory(where)

@@ -5,6 +5,7 @@ can catch them, and what the sharded guard does not run is refused before any ra
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,6 +74,41 @@ def test_a_weight_flip_under_hsdp_with_two_replicas_is_detected_not_named() -> N
     assert report["alarms"][0]["detail"]["ambiguous"] is True
 
 
+def test_checkpoints_are_sealed_directories_a_resume_continues_bitwise_on_any_mesh(
+    tmp_path: Path,
+) -> None:
+    """Every rank writes its shards into ``ckpt-<step>/``, sealed by ``manifest.json``, the
+    guard's state beside it; under FSDP2 no vote verifies one (pending). Resumed from step 2's
+    — by its directory under FSDP2, by the manifest the report (and the ledger) names under
+    HSDP 2x1 — the job ends on bitwise the uninterrupted run's fingerprint."""
+    full = _job(parallel="fsdp", steps=6, checkpoint_dir=tmp_path, checkpoint_every=2)
+    records = full["checkpoints"]
+    assert [(c["step"], c["status"]) for c in records] == [(s, "pending") for s in (0, 2, 4)]
+    second = tmp_path / "ckpt-000002"
+    assert records[1]["uri"] == str((second / "manifest.json").resolve())
+    assert (second / "manifest.json").is_file()
+    assert (tmp_path / "ckpt-000002.sdcguard.pt").is_file()
+    resumed = _job(parallel="fsdp", steps=6, resume_from=second)
+    assert resumed["alarms"] == []
+    assert resumed["final_fingerprint"] == full["final_fingerprint"]
+    other_mesh = _job(parallel="hsdp", steps=6, resume_from=Path(records[1]["uri"]))
+    assert other_mesh["final_fingerprint"] == full["final_fingerprint"]
+
+
+def test_a_checkpoint_of_the_other_kind_is_refused_before_any_rank_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ddp_file = tmp_path / "ckpt-000002.pt"
+    ddp_file.write_bytes(b"")
+    manifest = tmp_path / "ckpt-000002" / "manifest.json"
+    manifest.parent.mkdir()
+    manifest.write_text("{}")
+    assert main(["--parallel", "fsdp", "--resume-from", str(ddp_file)]) == 2
+    assert "a sharded checkpoint is a directory" in capsys.readouterr().err
+    assert main(["--resume-from", str(manifest)]) == 2
+    assert "a sharded checkpoint's manifest" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("flags", "reason"),
     [
@@ -81,10 +117,6 @@ def test_a_weight_flip_under_hsdp_with_two_replicas_is_detected_not_named() -> N
         (["--parallel", "fsdp", "--defer-decision"], "--defer-decision"),
         (["--parallel", "fsdp", "--skip-update-on-alarm"], "--skip-update-on-alarm"),
         (["--parallel", "fsdp", "--trace", "t.jsonl"], "trace DDP jobs only"),
-        (
-            ["--parallel", "fsdp", "--checkpoint-dir", "c", "--checkpoint-every", "2"],
-            "sharded checkpoints are not written yet",
-        ),
         (["--parallel", "fsdp", "--inject", "reduced-flip@0:1"], "reduced-flip is not injected"),
         (["--parallel", "fsdp", "--inject", "act-flip@0:2:in=recompute"], "no ring audit"),
         (["--parallel", "fsdp", "--shard-size", "1"], "--shard-size applies to --parallel hsdp"),
