@@ -26,6 +26,12 @@ a guarded step's, what the guard adds, and the increment per block between depth
     python benchmarks/ops_per_step.py --variants default abft-full checks --blocks 2 32
     python benchmarks/ops_per_step.py --by-op --by-source   # what the guard adds, and where
 
+The variants ``fsdp`` and ``hsdp`` count the sharded guard (its defaults) on the same layers,
+each block ``fully_shard``-ed, then the root, over a mesh of 2 (FSDP2) or 2x1 (HSDP: two
+replicas of one shard), against a plain step of the same layout::
+
+    python benchmarks/ops_per_step.py --variants fsdp hsdp --blocks 2 8 32
+
 ``--by-op`` prints the operations the guard adds, by name, at the largest depth (``--by-source``
 by the ``detection`` function that issued them, too).
 """
