@@ -26,6 +26,12 @@ a guarded step's, what the guard adds, and the increment per block between depth
     python benchmarks/ops_per_step.py --variants default abft-full checks --blocks 2 32
     python benchmarks/ops_per_step.py --by-op --by-source   # what the guard adds, and where
 
+The variants ``fsdp`` and ``hsdp`` count the sharded guard (its defaults) on the same layers,
+each block ``fully_shard``-ed, then the root, over a mesh of 2 (FSDP2) or 2x1 (HSDP: two
+replicas of one shard), against a plain step of the same layout::
+
+    python benchmarks/ops_per_step.py --variants fsdp hsdp --blocks 2 8 32
+
 ``--by-op`` prints the operations the guard adds, by name, at the largest depth (``--by-source``
 by the ``detection`` function that issued them, too).
 """
@@ -37,6 +43,7 @@ import json
 import os
 import sys
 import tempfile
+import types
 from collections import Counter
 from datetime import timedelta
 from fractions import Fraction
@@ -93,7 +100,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "state": {"abft": False, "vote_optimizer_state": True},
     "loss-audit": {"abft": False, "audit_every": 1, "audit_mode": "loss"},
     "gradient-audit": {"abft": False, "audit_every": 1, "audit_mode": "gradient"},
+    # the sharded guard (FSDP2 on a 1-D mesh, HSDP on a 2x1 one): what it runs, as it is
+    "fsdp": {},
+    "hsdp": {},
 }
+
+#: The sharded variants' meshes (world size 2: HSDP has two replicas of one shard), and the
+#: plain FSDP2 / HSDP job each is counted against (``None`` there: no guard, that layout).
+MESHES: dict[str, tuple[int, ...]] = {"fsdp": (WORLD,), "hsdp": (WORLD, 1)}
+PLAIN_OF: dict[str, str] = {"fsdp": "plain-fsdp", "hsdp": "plain-hsdp"}
+_SHARDED_PLAIN = {plain: variant for variant, plain in PLAIN_OF.items()}
 
 
 class KernelOps(TorchDispatchMode):
@@ -115,7 +131,7 @@ class KernelOps(TorchDispatchMode):
 
 
 def _source() -> str:
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
         if f"{os.sep}detection{os.sep}" in path:
@@ -131,6 +147,32 @@ def build_model(blocks: int, width: int = WIDTH) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, 1))
 
 
+def build_sharded(blocks: int, mesh_shape: tuple[int, ...], width: int = WIDTH) -> nn.Module:
+    """The same layers, each block (Linear, LayerNorm, GELU) ``fully_shard``-ed, then the
+    root, as FSDP2's tutorial shards a model: one reduce-scatter and all-gather per block."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    parts = [
+        nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
+        for _ in range(blocks)
+    ]
+    model = nn.Sequential(*parts, nn.Linear(width, 1))
+    for part in parts:
+        fully_shard(part, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _layout(variant: str | None) -> tuple[int, ...] | None:
+    """The mesh of a variant's job, ``None`` for DDP."""
+    if variant is None:
+        return None
+    return MESHES.get(variant) or MESHES.get(_SHARDED_PLAIN.get(variant, ""))
+
+
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return nn.functional.mse_loss(model(x), y)
@@ -143,8 +185,8 @@ def make_batch(step: int, rank: int, width: int = WIDTH) -> tuple[torch.Tensor, 
 
 def period(variant: str | None) -> int:
     """Steps after which a variant's steps repeat: the checksums' rotation, when it checks."""
-    if variant is None:
-        return 1
+    if variant is None or variant in _SHARDED_PLAIN or variant in MESHES:
+        return 1  # plain, or the sharded guard: no checksums, every step alike
     from detection import GuardConfig
 
     config = GuardConfig(**VARIANTS[variant])
@@ -169,7 +211,12 @@ def _rank(
     results = []
     for blocks, variant in jobs:
         torch.manual_seed(0)
-        ddp = DistributedDataParallel(build_model(blocks))
+        mesh = _layout(variant)
+        ddp = (
+            DistributedDataParallel(build_model(blocks))
+            if mesh is None
+            else build_sharded(blocks, mesh)
+        )
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
         guard = (
             SDCGuard(
@@ -179,7 +226,7 @@ def _rank(
                 microbatch=make_batch,
                 config=GuardConfig(**VARIANTS[variant]),
             )
-            if variant is not None
+            if variant is not None and variant in VARIANTS
             else None
         )
         per_step: list[dict[str, int]] = []
@@ -275,14 +322,16 @@ def table(
     """Per variant, per depth: plain, guarded and added operations per step (means over a
     period), and the added ones by operation."""
     depths = sorted(depths)
-    jobs: list[tuple[int, str | None]] = [(b, None) for b in depths]
+    plains = sorted({PLAIN_OF.get(v) for v in variants}, key=str)
+    jobs: list[tuple[int, str | None]] = [(b, p) for p in plains for b in depths]
     jobs += [(b, v) for v in variants for b in depths]
     counted = dict(zip(jobs, count_all(jobs, warm=warm, by_source=by_source), strict=True))
     out: dict[str, list[dict[str, Any]]] = {}
     for variant in variants:
         rows = []
         for blocks in depths:
-            plain, guarded = counted[(blocks, None)], counted[(blocks, variant)]
+            plain = counted[(blocks, PLAIN_OF.get(variant))]
+            guarded = counted[(blocks, variant)]
             mine, theirs = guarded.by_op(), plain.by_op()
             added_by_op = {k: mine.get(k, 0) - theirs.get(k, 0) for k in {*mine, *theirs}}
             rows.append(
@@ -350,9 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tables = table(args.blocks, args.variants, warm=args.warm, by_source=args.by_source)
     print(
-        f"operations per step (DDP world {WORLD}, blocks of Linear+LayerNorm+GELU width "
-        f"{WIDTH}, audits off unless named, torch {torch.__version__}, the GPU path: "
-        "SDCGUARD_NATIVE=0)"
+        f"operations per step (world {WORLD}: DDP, FSDP2 for fsdp, HSDP 2x1 for hsdp; blocks "
+        f"of Linear+LayerNorm+GELU width {WIDTH}, audits off unless named, torch "
+        f"{torch.__version__}, the GPU path: SDCGUARD_NATIVE=0)"
     )
     for variant, rows in tables.items():
         print()

@@ -53,6 +53,10 @@ checks in the reference implementation. Next to each CPU ratio stands a 95 % boo
 of that median over the rounds: on a shared 2-vCPU host a rerun moves a row by a few points, so
 a row whose interval straddles its target has not been shown to meet or miss it.
 
+``--sharded 1`` (the default) adds the rows of the sharded guard on each model: FSDP2 and
+HSDP, each guarded step ÷ the plain sharded step of the same layout, measured side by side in
+a run of their own (``benchmarks/overhead_sharded.py``), with the operations it adds.
+
 ``--loop-paths 1`` adds the rows of the loop patterns — autocast, gradient accumulation, batch
 shipping — and the replay's peak extra memory (``benchmarks/loop_paths.py``).
 
@@ -91,6 +95,7 @@ from typing import Any
 
 import loop_paths  # benchmarks/ is on sys.path when this file runs as a script
 import ops_per_step
+import overhead_sharded
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -184,6 +189,8 @@ class Bench:
     # own and gloo (CUDA tensors, staged through the host) when ranks share one; every timed
     # step ends with a device synchronisation, so a step's wall time includes its kernels.
     device: str = "cpu"
+    # 1: also the sharded guard's rows (FSDP2, HSDP: benchmarks/overhead_sharded.py), CPU only
+    sharded: int = 1
 
     def small(self) -> Bench:
         """The same benchmark on the small model."""
@@ -201,6 +208,7 @@ class Bench:
             seq_len=self.small_seq_len,
             batch=self.batch,
             device=self.device,
+            sharded=self.sharded,
         )
 
     def model(self) -> ModelConfig:
@@ -432,9 +440,22 @@ OPS_VARIANT = {
 }
 
 
-def _ops(depths: list[int]) -> dict[str, list[dict[str, Any]]]:
-    """The counter's rows for every configuration the table times (one pair of ranks)."""
-    return ops_per_step.table(depths, sorted(set(OPS_VARIANT.values())))
+def _ops(depths: list[int], sharded: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """The counter's rows for every configuration the tables time (one pair of ranks)."""
+    variants = sorted(set(OPS_VARIANT.values()))
+    return ops_per_step.table(depths, variants + (["fsdp", "hsdp"] if sharded else []))
+
+
+def _sharded_rows(bench: Bench, ops: dict[str, list[dict[str, Any]]] | None) -> str:
+    """The sharded guard's rows on ``bench``'s model, in a run of their own."""
+    sharded = overhead_sharded.ShardedBench(
+        world_size=bench.world_size,
+        threads=bench.threads,
+        rounds=bench.rounds,
+        warmup=bench.warmup,
+        model=bench.model(),
+    )
+    return overhead_sharded.table(sharded, overhead_sharded.run(sharded), ops)
 
 
 def _ops_cells(ops: dict[str, list[dict[str, Any]]], variant: str, every: int) -> str:
@@ -539,9 +560,10 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(**options)
     if bench.loop_paths and bench.device != "cpu":
         raise SystemExit("--loop-paths runs on the CPU only")
+    sharded = bool(bench.sharded) and bench.device == "cpu"  # the sharded guard: CPU-tested
     started = time.monotonic()
     depths = [d for d in args.ops_depths if d > 0]
-    ops = _ops(depths) if depths else None
+    ops = _ops(depths, sharded) if depths else None
     if not args.small_only:
         result = _run(bench)
         if args.dump is not None:
@@ -549,12 +571,18 @@ def main(argv: list[str] | None = None) -> int:
         print(_table(bench, result, ROWS, ops))
         if result.get("loops"):
             print(loop_paths.table(result["loops"]))
+        if sharded:
+            print()
+            print(_sharded_rows(bench, ops))
     small = bench.small()
     small_result = _run(small)
     if small_result["params"] > SMALL_MAX_PARAMS:
         raise SystemExit(f"the small model has {small_result['params']:,} parameters (> 0.5M)")
     print()
     print(_table(small, small_result, (*SMALL_ROWS, *ROWS), ops))
+    if sharded:
+        print()
+        print(_sharded_rows(small, ops))
     print(f"(took {time.monotonic() - started:.0f} s)")
     return 0
 

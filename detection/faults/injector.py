@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from detection.faults.spec import FaultInjectionError, FaultKind, FaultSpec, element_index
 from detection.weights.state import optimizer_state_tensors
@@ -43,6 +44,11 @@ def _set_nan_(flat: torch.Tensor, index: int) -> None:
         raise FaultInjectionError("cannot write a NaN into a non-contiguous tensor in place")
     with torch.no_grad():
         flat.detach().reshape(-1)[index : index + 1].fill_(float("nan"))
+
+
+def _held(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: a DTensor's local shard (a view of its storage)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _FlatMap:
@@ -120,6 +126,10 @@ class FaultInjector:
         """Whether any fault strikes this rank's own computation in the current step."""
         return self._step is not None and any(self._active_specs())
 
+    def strikes(self, *kinds: FaultKind) -> bool:
+        """Whether a fault of one of ``kinds`` strikes this rank's computation now."""
+        return any(self._active_specs(*kinds))
+
     def _active_specs(self, *kinds: FaultKind) -> Iterator[FaultSpec]:
         if self._step is None:
             return
@@ -144,13 +154,15 @@ class FaultInjector:
             self._inject_gradient(spec, grads)
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Weight and optimizer-state faults, right after ``optimizer.step``."""
+        """Weight and optimizer-state faults, right after ``optimizer.step``. A sharded
+        parameter (a DTensor: FSDP2, HSDP) is the shard this rank holds: the flip strikes the
+        rank's own memory, as a weight flip strikes a DDP rank's copy."""
         if self._replay or self._step is None:
             return
         step = self._step
         for spec in self._active_specs(FaultKind.WEIGHT_FLIP, FaultKind.OPTIM_FLIP):
             targets = (
-                self._params
+                [_held(p) for p in self._params]
                 if spec.kind is FaultKind.WEIGHT_FLIP
                 else [
                     t

@@ -26,7 +26,8 @@ Which element flips (deterministic, so a run can be replayed): element
   ``module.parameters()`` order (before all-reduce; in a replay, the recomputed ``.grad``);
 * ``reduced-flip`` — the same element of the rank's gradient after all-reduce;
 * ``act-flip`` — the target module's output (its first tensor when it returns several);
-* ``weight-flip`` — all parameters concatenated in ``module.parameters()`` order;
+* ``weight-flip`` — all parameters concatenated in ``module.parameters()`` order (a sharded
+  model's: the shards the rank holds, so the flip strikes that rank's memory);
 * ``optim-flip`` — the optimizer's floating-point state tensors of rank ≥ 1, in parameter order
   and, per parameter, in sorted state-key order (Adam: ``exp_avg`` then ``exp_avg_sq``).
 

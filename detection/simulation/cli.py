@@ -14,6 +14,7 @@ from typing import Any
 
 from detection.simulation.config import HarnessConfigError, HarnessError, TrainConfig
 from detection.simulation.launch import run
+from detection.simulation.parallel import audit_every_of, mesh_shape
 from detection.simulation.rank import TERMINATED
 from detection.simulation.termination import Terminated, unwind_on_sigterm
 from detection.simulation.train_args import parse_config
@@ -56,9 +57,7 @@ def summary(config: TrainConfig, report: dict[str, Any]) -> str:
         )
     ckpts = report["checkpoints"]
     verified = sum(1 for c in ckpts if c["status"] == "verified")
-    mode = (
-        "plain DDP" if config.plain else f"audit every {config.audit_every} ({config.audit_mode})"
-    )
+    mode = _mode(config)
     return (
         f"sdcguard train {config.job}: {report['world_size']} ranks on "
         f"{len(set(report['nodes'].values()))} node(s), {report['steps']} steps, {mode}: "
@@ -66,6 +65,18 @@ def summary(config: TrainConfig, report: dict[str, Any]) -> str:
         f"final fingerprint {report['final_fingerprint']}, step "
         f"{report['step_ms']['median']:.1f} ms median"
     )
+
+
+def _mode(config: TrainConfig) -> str:
+    """How the job ran: plain or guarded, its layout, its ring audit."""
+    layout = {"ddp": "DDP", "fsdp": "FSDP2", "hsdp": "HSDP"}.get(config.parallel, config.parallel)
+    if config.plain:
+        return f"plain {layout}"
+    if config.parallel == "ddp":
+        return f"audit every {config.audit_every} ({config.audit_mode})"
+    every = audit_every_of(config)
+    audit = f"audit every {every} ({config.audit_mode})" if every else "no ring audit"
+    return f"{layout} mesh {mesh_shape(config)}, {audit}"
 
 
 @contextlib.contextmanager

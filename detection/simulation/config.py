@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from detection.faults.spec import FaultSpec
+from detection.simulation.parallel import parallel_checks
 
 __all__ = [
     "AUDIT_MODES",
@@ -78,6 +79,8 @@ class TrainConfig:
     hold_after_halt_s: float = 0.0
     """With ``halt_on_alarm``: how long a halted job stays alive, training no further, for its
     stop (as a job halted by its guard waits for its operator); 0 ends it at once."""
+    parallel: str = "ddp"  # ddp | fsdp | hsdp (detection.simulation.parallel)
+    shard_size: int | None = None  # hsdp: ranks per replica (None: the ranks of one node)
 
     def node_names(self) -> list[str]:
         """Node of each rank: ``nodes`` if given, else ``node-{rank // ranks_per_node}``."""
@@ -91,7 +94,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise :class:`HarnessConfigError` naming the first contradiction."""
-        for ok, message in self._checks():
+        for ok, message in [*parallel_checks(self), *self._checks()]:
             if not ok:
                 raise HarnessConfigError(message)
         for spec in self.inject:
@@ -125,7 +128,9 @@ class TrainConfig:
             ),
             (self.nodes is None or all(self.nodes), "--nodes names must not be empty"),
             (
-                self.resume_from is None or self.resume_from.is_file(),
+                self.resume_from is None
+                or self.resume_from.is_file()
+                or (self.parallel != "ddp" and self.resume_from.is_dir()),
                 f"--resume-from {self.resume_from}: no such checkpoint file",
             ),
             (

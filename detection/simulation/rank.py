@@ -34,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from detection.audit.ring import AuditMode, seed_rng, step_seed
+from detection.faults.spec import FaultSpec
 from detection.gate import CheckpointGate, StepOutcome
 from detection.guard import GuardConfig, GuardConfigError, SDCGuard
 from detection.guard.state import read_state
@@ -42,6 +43,7 @@ from detection.simulation.config import (
     KEY_ID_ENV,
     SECRET_ENV,
     HarnessConfigError,
+    HarnessError,
     TrainConfig,
     injected_faults,
 )
@@ -53,7 +55,15 @@ from detection.simulation.diagnostics import (
     write_probe,
 )
 from detection.simulation.model import ModelConfig, TinyTransformer, loss_fn, make_batch
+from detection.simulation.parallel import audit_every_of, is_sharded
 from detection.simulation.report import Progress, build_report, write_report
+from detection.simulation.sharded import (
+    ShardedFaults,
+    final_fingerprint,
+    load_checkpoint,
+    shard_model,
+    write_checkpoint,
+)
 from detection.simulation.termination import StopRequest, Terminated
 from detection.weights.fingerprint import weight_fingerprint
 from detection.weights.load_check import verify_after_load
@@ -69,13 +79,15 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def guard_config_of(config: TrainConfig) -> GuardConfig:
-    """The guard's configuration for this job, the same on every rank."""
+    """The guard's configuration for this job, the same on every rank. A sharded job's
+    faults are the harness's to inject (:class:`ShardedFaults`): the sharded guard injects
+    none."""
     return GuardConfig(
-        audit_every=config.audit_every,
+        audit_every=audit_every_of(config),
         audit_mode=AuditMode(config.audit_mode),
         seed=config.seed,
         halt_on_alarm=config.halt_on_alarm,
-        inject=injected_faults(config),
+        inject=() if is_sharded(config) else injected_faults(config),
         abft=config.abft,
         step_checks=config.step_checks,
         skip_update_on_alarm=config.skip_update_on_alarm,
@@ -142,7 +154,7 @@ class _Job:
     nodes: list[str]
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    ddp: DistributedDataParallel
+    ddp: nn.Module  # what the loop calls: the DDP wrapper, or the sharded model itself
     microbatch: Callable[[int, int], Batch]
     start: int
     capture: LocalGradientCapture | None
@@ -150,6 +162,7 @@ class _Job:
     gate: CheckpointGate | None
     guard: SDCGuard | None
     trace: IO[str] | None = None
+    faults: ShardedFaults | None = None  # a sharded job's --inject, applied by the harness
 
     @property
     def extra(self) -> dict[str, Any]:
@@ -181,7 +194,13 @@ def train(rank: int, config: TrainConfig, secret: str | None) -> dict[str, Any]:
             raise Terminated() from None
     finally:
         _close(job, progress.terminating)
-    report = build_report(job.config, job.nodes, job.model, job.guard, job.gate, progress)
+    final = None
+    if is_sharded(config):  # the weights are spread over the ranks: sum the parts
+        final = progress.completed_fp if progress.terminating else None
+        final = final or final_fingerprint(job.model, collective=not progress.terminating)
+    report = build_report(
+        job.config, job.nodes, job.model, job.guard, job.gate, progress, final=final
+    )
     if rank == 0:
         # Written here, before the webhook flush, not by the launcher: a launcher that is
         # stopped meanwhile would lose it.
@@ -197,6 +216,8 @@ def _set_up(rank: int, config: TrainConfig, secret: str | None) -> _Job:
     device = torch.device("cpu")
     torch.manual_seed(config.seed)
     model = TinyTransformer(cfg)
+    if is_sharded(config):
+        return _set_up_sharded(rank, config, secret, shard_model(model, config))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start, expected = _resume(config, model, optimizer)
     ddp = DistributedDataParallel(model)
@@ -216,15 +237,7 @@ def _set_up(rank: int, config: TrainConfig, secret: str | None) -> _Job:
 
     capture = LocalGradientCapture(list(model.parameters())) if config.trace is not None else None
     sender = None if config.plain else _sender(config, rank, secret)
-    gate = None
-    if rank == 0:
-        gate = CheckpointGate(
-            config.checkpoint_dir,
-            audit_every=config.audit_every,
-            nodes=nodes,
-            sink=sender,
-            job_id=config.job,
-        )
+    gate = _gate(rank, config, nodes, sender)
     job = _Job(
         rank, config, nodes, model, optimizer, ddp, microbatch, start, capture, sender, gate, None
     )
@@ -232,6 +245,65 @@ def _set_up(rank: int, config: TrainConfig, secret: str | None) -> _Job:
     if job.guard is not None and config.resume_from is not None:
         _load_guard_state(job.guard, config.resume_from, expected, job.extra)
     return job
+
+
+def _set_up_sharded(rank: int, config: TrainConfig, secret: str | None, model: nn.Module) -> _Job:
+    """A ``--parallel fsdp|hsdp`` rank: the sharded model is what the loop calls, the guard
+    is the same call, the faults are the harness's; a resumed rank loads its shards before
+    the guard exists, which then verifies them (no trace: the options refuse it)."""
+    nodes, cfg = config.node_names(), ModelConfig()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    start, expected, loaded = 0, None, None
+    if config.resume_from is not None:
+        start, expected, loaded = load_checkpoint(config.resume_from, model, optimizer)
+
+    def microbatch(step: int, r: int) -> Batch:
+        return make_batch(cfg, config.seed, step, r, torch.device("cpu"))
+
+    sender = None if config.plain else _sender(config, rank, secret)
+    gate = _gate(rank, config, nodes, sender)
+    job = _Job(
+        rank, config, nodes, model, optimizer, model, microbatch, start, None, sender, gate, None
+    )
+    job.guard = _guard(job)
+    if expected is not None and loaded is not None:
+        _verify_sharded(job, expected)
+        if job.guard is not None:
+            _load_guard_state(job.guard, loaded, expected, job.extra)
+        _log.info("resumed from %s at step %d", config.resume_from, start, extra=job.extra)
+    specs = [FaultSpec.parse(s) for s in injected_faults(config)]
+    if specs:
+        job.faults = ShardedFaults(specs, model, optimizer, rank=rank, node=nodes[rank])
+    return job
+
+
+def _verify_sharded(job: _Job, expected: str) -> None:
+    """The loaded shards hold the recorded weights (collective): the guard's check, or for a
+    plain job the same fingerprint compared here."""
+    if job.guard is not None:
+        job.guard.verify_loaded(expected)
+        return
+    found = final_fingerprint(job.model, collective=True, parameters_only=True)
+    if found.hex() != expected:
+        raise HarnessError(
+            f"--resume-from {job.config.resume_from}: loaded weights {found.hex()}, "
+            f"recorded {expected}"
+        )
+
+
+def _gate(rank: int, config: TrainConfig, nodes: list[str], sender: Any) -> CheckpointGate | None:
+    """Rank 0's gate, which reports and posts; a sharded job that checkpoints gives every rank
+    one (the sharded write is collective), with no sink but rank 0's."""
+    writes_everywhere = is_sharded(config) and config.checkpoint_every > 0
+    if rank != 0 and not writes_everywhere:
+        return None
+    return CheckpointGate(
+        config.checkpoint_dir,
+        audit_every=audit_every_of(config),
+        nodes=nodes,
+        sink=sender if rank == 0 else None,
+        job_id=config.job,
+    )
 
 
 def _resume(
@@ -270,6 +342,7 @@ def _guard(job: _Job) -> SDCGuard | None:
     on plain DDP instead)."""
     if job.config.plain:
         if job.capture is not None:
+            assert isinstance(job.ddp, DistributedDataParallel)  # --trace is DDP's only
             job.ddp.register_comm_hook(None, job.capture.hook)
         return None
     nodes, rank = job.nodes, job.rank
@@ -327,11 +400,18 @@ def _train_step(job: _Job, step: int, *, flush: bool) -> tuple[torch.Tensor, Ste
         loss.backward()
         job.optimizer.step()
         return loss, None
-    with guard.step(step):
-        job.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(job.ddp, job.microbatch(step, job.rank))
-        guard.backward(loss)
-        job.optimizer.step()
+    faults = job.faults
+    if faults is not None:
+        faults.begin_step(step)
+    try:
+        with guard.step(step):
+            job.optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(job.ddp, job.microbatch(step, job.rank))
+            guard.backward(loss)
+            job.optimizer.step()
+    finally:
+        if faults is not None:
+            faults.end_step()
     if flush or job.trace is not None or job.capture is not None:
         guard.flush()  # these record this step's outcome (deferred: decide it now)
     return loss, guard.last_outcome
@@ -339,6 +419,10 @@ def _train_step(job: _Job, step: int, *, flush: bool) -> tuple[torch.Tensor, Ste
 
 def _checkpoint(job: _Job, step: int, outcome: StepOutcome | None) -> None:
     assert job.gate is not None
+    if is_sharded(job.config):
+        ranks = range(job.config.world_size)
+        write_checkpoint(job.gate, job.model, job.optimizer, step, outcome, ranks)
+        return
     if outcome is None:  # plain DDP: a record with no evidence stays pending
         outcome = StepOutcome(
             step=step,
@@ -373,6 +457,8 @@ def _checkpoint(job: _Job, step: int, outcome: StepOutcome | None) -> None:
 def _close(job: _Job, terminating: bool) -> None:
     if job.trace is not None:
         job.trace.close()
+    if job.faults is not None:
+        job.faults.close()
     with _quiet_if(terminating):  # peers may be gone: cleanup must not hide the report
         if job.guard is not None:
             job.guard.close()

@@ -42,13 +42,16 @@ def build_report(
     guard: SDCGuard | None,
     gate: CheckpointGate | None,
     progress: Progress,
+    *,
+    final: Fingerprint | None = None,
 ) -> dict[str, Any]:
     """The DESIGN report. A stopped run reports the weights after its last complete step: the
     signal may have landed inside an update, so the live tensors are not a state any step
-    produced."""
-    if progress.terminating and progress.completed_fp is not None:
+    produced. ``final``, where given, is reported instead: a sharded job's rank holds a part
+    of the model, so the job sums the fingerprint over its ranks."""
+    if final is None and progress.terminating:
         final = progress.completed_fp
-    else:
+    if final is None:
         final = weight_fingerprint(model_state_tensors(model))
     alarms = guard.alarms if guard is not None else []
     report: dict[str, Any] = {

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from detection.simulation.config import AUDIT_MODES, SECRET_ENV, TrainConfig
+from detection.simulation.parallel import PARALLEL_MODES
 
 __all__ = [
     "OUTPUT_OPTIONS",
@@ -37,8 +38,8 @@ def train_parser(*, exit_on_error: bool = True) -> argparse.ArgumentParser:
     """The ``sdcguard train`` parser; its destinations are :class:`TrainConfig`'s fields."""
     p = argparse.ArgumentParser(
         prog="sdcguard train",
-        description="A local DDP job on CPU (gloo) with sdcguard's detection; "
-        "prints a one-line summary, writes the report with --report.",
+        description="A local DDP (or FSDP2/HSDP: --parallel) job on CPU (gloo) with "
+        "sdcguard's detection; prints a one-line summary, writes the report with --report.",
         exit_on_error=exit_on_error,
     )
     d = TrainConfig()
@@ -83,6 +84,26 @@ def _job_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
     p.add_argument("--plain", action="store_true", help="plain DDP, no sdcguard (baseline)")
     p.add_argument("--job-id", default=None, help="default local-<seed>")
     p.add_argument("--threads", type=int, default=d.threads, help="intra-op threads per rank")
+    p.add_argument(
+        "--parallel",
+        choices=PARALLEL_MODES,
+        default=d.parallel,
+        help="ddp: every rank the whole model (the default); fsdp: FSDP2, fully_shard on each "
+        "block and the root over a 1-D mesh of all ranks; hsdp: the same on a 2-D "
+        "(replicate, shard) mesh. Under fsdp/hsdp the sharded guard runs no ring audit "
+        "(--audit-every is taken as 0), no --abft/--abft-every, --skip-update-on-alarm, "
+        "--defer-decision, --trace/--probe (refused); checkpoints are directories ckpt-<step>/ "
+        "sealed by manifest.json, --resume-from takes one (or its manifest) under any mesh; "
+        "--inject takes grad-flip, grad-nan, act-flip and weight-flip (the rank's own shards)",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="S",
+        help="hsdp: ranks per replica, the mesh is (world/S, S) (default: the ranks of one "
+        "node, --ranks-per-node, so a replica's shards stay within a node)",
+    )
 
 
 def _output_options(p: argparse.ArgumentParser) -> None:

@@ -31,3 +31,19 @@ def test_the_default_adds_at_most_four_ops_per_block_and_30_percent_of_a_plain_s
     # every layer on every step: the checked layers' own ops, 28.4 a block with the derived
     # rounding bounds of the checks armed from step 0 (24.4 without them, 42.3 before)
     assert ops_per_step.per_block(full) <= 29.0, full
+
+
+def test_the_sharded_guard_s_operations_are_counted_and_held_to_their_count() -> None:
+    """The sharded guard (FSDP2, HSDP 2x1), counted as the DDP guard is, against a plain step
+    of the same layout. It grows with depth, unlike the DDP guard: per parameter and step it
+    checks the gradient and the weights for non-finite values tensor by tensor and places each
+    shard in the unsharded numbering anew; per FSDP module it sums, norms and fingerprints the
+    reduce-scatter and the all-gather. Held here to today's count (78 a block under FSDP2, 48
+    under HSDP 2x1, whose one-rank shard groups all-gather nothing), so that a change which
+    adds to it shows, and one which fuses it can lower the bound."""
+    tables = ops_per_step.table([2, 8], ["fsdp", "hsdp"])
+    fsdp, hsdp = tables["fsdp"], tables["hsdp"]
+    assert fsdp[0]["period"] == hsdp[0]["period"] == 1  # no checksum rotation: steps alike
+    assert ops_per_step.per_block(fsdp) <= 78.0, fsdp
+    assert ops_per_step.per_block(hsdp) <= 48.0, hsdp
+    assert 0 < fsdp[0]["added"] <= 1.6 * fsdp[0]["plain"], fsdp
