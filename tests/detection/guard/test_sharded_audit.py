@@ -1,0 +1,292 @@
+"""The ring audit under FSDP2 and HSDP (loss mode), in real gloo ranks.
+
+A small transformer (embedding, causal attention through ``scaled_dot_product_attention``,
+LayerNorm, an MLP with dropout) trains 200 steps with an audit every step under FSDP2 on two
+and four ranks and under HSDP 2x2: no alarm, every audit passed, calibration armed, and the
+replays leave training bitwise as it is without them. A flipped activation bit on one rank at
+an audited step is caught at that step, the auditor/audited pair named. A loss that reads an
+unseeded random source is refused by calibration. Two launches (two ranks, four ranks) carry
+every scenario; each test reads its part.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from detection.audit.calibration import NotReplayableError
+from detection.audit.ring import auditors_of, ring_partners
+from detection.guard import GuardConfig, GuardHaltedError, SDCGuard
+from detection.weights.sharded import sharded_fingerprint
+from tests.detection.conftest import run_ranks
+
+DIM, HEADS, SEQ, BATCH, VOCAB = 16, 2, 8, 2, 32
+CLEAN_STEPS = 200
+COMPARED_STEPS = 30  # the clean run against the same loop without audits
+FLIP_STEP, FLIP_TARGET = 3, 1
+_UNSEEDED = torch.Generator().manual_seed(7)  # a random source the guard does not seed
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, DIM))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.attn = _Attention()
+        self.norm2 = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(
+            nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Dropout(0.1), nn.Linear(2 * DIM, DIM)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class _Tiny(nn.Module):
+    """Embedding, two pre-norm blocks, a final norm and an untied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h).reshape(-1, DIM))  # 2-D: the root returns no view
+
+
+def _sharded(mesh_shape: tuple[int, ...], *, blocks: bool) -> _Tiny:
+    """FSDP2's tutorial (``blocks``: each block its own FSDP module, then the root), or the
+    root alone — a third of the collectives, for the long four-rank runs on a busy CPU."""
+    torch.manual_seed(0)
+    model = _Tiny()
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    if blocks:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    tokens, targets = batch
+    return F.cross_entropy(model(tokens), targets.reshape(-1))
+
+
+def _unreplayable_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The loss plus noise from a generator of the loop's own: another value every call."""
+    return _loss(model, batch) + 1e-3 * torch.randn((), generator=_UNSEEDED)
+
+
+class _ActivationFlip:
+    """A forward hook on the embedding: when armed, the largest activation (|x| ≥ 2) of the
+    next forward gets bit 30 — the exponent's top bit — flipped, a finite corruption of one
+    rank's original forward (disarmed at once, so no replay sees it)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.flipped: float | None = None
+
+    def __call__(self, _module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+        if not self.armed:
+            return output
+        self.armed = False
+        flat = output.detach().reshape(-1)
+        i = int(flat.abs().argmax())
+        assert abs(float(flat[i])) >= 2.0, "bit 30 must make the value smaller: finite"
+        flipped = output.detach().clone()
+        flipped.view(-1).view(torch.int32)[i] ^= 1 << 30
+        self.flipped = float(flipped.view(-1)[i])
+        mask = torch.zeros_like(flat, dtype=torch.bool)
+        mask[i] = True
+        return torch.where(mask.view_as(output), flipped, output)
+
+
+def _run(
+    rank: int,
+    mesh_shape: tuple[int, ...],
+    *,
+    steps: int,
+    audit_every: int = 1,
+    calibrate: int = 2,
+    shipped: bool = False,
+    flip: bool = False,
+    loss_fn: Any = _loss,
+    blocks: bool = True,
+) -> dict[str, Any]:
+    model = _sharded(mesh_shape, blocks=blocks)
+    optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    config = GuardConfig(seed=5, audit_every=audit_every, calibrate=calibrate)
+    guard = SDCGuard(
+        model,
+        optim,
+        loss_fn=loss_fn,
+        microbatch=None if shipped else _batch,
+        config=config,
+    )
+    hook = _ActivationFlip()
+    if flip and rank == FLIP_TARGET:
+        model.emb.register_forward_hook(hook)
+    outcomes: list[tuple[int, bool, bool]] = []
+    fingerprints: list[str] = []
+    refused = ""
+    for step in range(steps):
+        hook.armed = flip and step == FLIP_STEP
+        try:
+            with guard.step(step):
+                batch = _batch(step, rank)
+                guard.backward(loss_fn(model, batch), batch=batch if shipped else None)
+                optim.step()
+                optim.zero_grad()
+        except GuardHaltedError:
+            break
+        except NotReplayableError as err:
+            refused = str(err)
+            break
+        outcome = guard.last_outcome
+        assert outcome is not None
+        outcomes.append((step, outcome.audit_passed, outcome.vote_passed))
+        fingerprints.append(outcome.fingerprint.hex())
+    whole = sharded_fingerprint(model.parameters())
+    guard.close()
+    return {
+        "alarms": [a.to_report() for a in guard.alarms],
+        "outcomes": outcomes,
+        "fingerprints": fingerprints,
+        "fingerprint_matches": not fingerprints or fingerprints[-1] == whole.hex(),
+        "counters": guard.counters.to_dict(),
+        "armed": guard.armed,
+        "refused": refused,
+        "coverage": guard.coverage(),  # type: ignore[attr-defined]
+        "flipped": hook.flipped,
+    }
+
+
+def _two_ranks(rank: int, world: int) -> dict[str, Any]:
+    return {
+        "clean": _run(rank, (world,), steps=CLEAN_STEPS),
+        "unaudited": _run(rank, (world,), steps=COMPARED_STEPS, audit_every=0, calibrate=0),
+        "unreplayable": _run(rank, (world,), steps=3, loss_fn=_unreplayable_loss),
+    }
+
+
+def _four_ranks(rank: int, world: int) -> dict[str, Any]:
+    return {
+        "fsdp-clean": _run(rank, (world,), steps=CLEAN_STEPS, shipped=True, blocks=False),
+        "hsdp-clean": _run(rank, (2, world // 2), steps=CLEAN_STEPS, blocks=False),
+        "fsdp-flip": _run(rank, (world,), steps=FLIP_STEP + 3, calibrate=1, flip=True),
+        "hsdp-flip": _run(rank, (2, world // 2), steps=FLIP_STEP + 3, calibrate=1, flip=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return run_ranks(_two_ranks, 2, timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, Any]]:
+    return run_ranks(_four_ranks, 4, timeout_s=240)
+
+
+def _assert_clean(result: dict[str, Any], *, vote: bool) -> None:
+    assert result["alarms"] == []
+    assert [o[0] for o in result["outcomes"]] == list(range(CLEAN_STEPS))
+    assert all(o[1] for o in result["outcomes"])  # every step audited and passed
+    assert all(o[2] is vote for o in result["outcomes"])  # HSDP votes; FSDP2 has no copy
+    counters = result["counters"]
+    assert counters["audits"] == counters["audits_passed"] == CLEAN_STEPS
+    assert counters["calibration_audits"] == 2
+    assert result["armed"]
+    assert result["fingerprint_matches"]
+    assert "ring audit of the loss every 1 steps" in result["coverage"]
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_ranks_audits_200_steps_clean_and_leaves_training_as_it_was(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    for r in two_ranks:
+        _assert_clean(r["clean"], vote=False)
+        # the replays changed nothing the training computes: same weights, step by step
+        assert r["clean"]["fingerprints"][:COMPARED_STEPS] == r["unaudited"]["fingerprints"]
+        assert r["unaudited"]["counters"]["audits"] == 0
+
+
+@pytest.mark.slow
+def test_fsdp2_on_four_ranks_with_shipped_batches_audits_200_steps_clean(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    for r in four_ranks:
+        _assert_clean(r["fsdp-clean"], vote=False)
+        assert r["fsdp-clean"]["counters"]["batches_shipped"] == CLEAN_STEPS
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_audits_200_steps_clean(four_ranks: list[dict[str, Any]]) -> None:
+    for r in four_ranks:
+        _assert_clean(r["hsdp-clean"], vote=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["fsdp-flip", "hsdp-flip"])
+def test_an_activation_flip_at_an_audited_step_names_the_pair(
+    four_ranks: list[dict[str, Any]], scenario: str
+) -> None:
+    """Rank 1's embedding output loses its exponent's top bit in the original forward of
+    step 3 (finite): its auditor's recomputation disagrees; that one pair is named. The
+    steps before are silent and their audits pass."""
+    auditor = auditors_of(ring_partners([socket.gethostname()] * 4))[FLIP_TARGET]
+    for rank, result in enumerate(four_ranks):
+        r = result[scenario]
+        assert [o[1] for o in r["outcomes"][:FLIP_STEP]] == [True] * FLIP_STEP
+        (alarm,) = r["alarms"]
+        assert (alarm["step"], alarm["layer"], alarm["phase"]) == (FLIP_STEP, "audit", "loss")
+        assert alarm["detail"]["mismatched_pairs"] == [{"auditor": auditor, "audited": 1}]
+        assert alarm["suspect_ranks"] == sorted([auditor, FLIP_TARGET])
+        assert r["outcomes"][FLIP_STEP][1] is False  # the audit at the flip did not pass
+        assert (r["flipped"] is not None) is (rank == FLIP_TARGET)
+
+
+@pytest.mark.slow
+def test_a_loss_that_does_not_reproduce_itself_is_refused_by_calibration(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    for r in two_ranks:
+        u = r["unreplayable"]
+        assert u["outcomes"] == []  # refused at the first (calibration) audit, on every rank
+        assert "refuses to arm" in u["refused"]
+        assert "twice from the same seed gave two different results" in u["refused"]
+        assert u["alarms"] == []
+        assert not u["armed"]
