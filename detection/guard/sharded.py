@@ -150,6 +150,7 @@ class ShardedGuard:
                 nodes=self.nodes,
                 rank=self.rank,
                 device=self.device,
+                extra={"job": job_id, "rank": self.rank, "node": self.node},
             )
         inner_rs, inner_ag = user_comms(comm_hook) or (None, None)
         self.reduce_scatter = CheckedReduceScatter(self.device, inner=inner_rs)

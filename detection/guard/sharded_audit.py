@@ -135,6 +135,7 @@ class ShardedAudit:
         nodes: Sequence[str],
         rank: int,
         device: torch.device,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.modules = fsdp_modules(root)
@@ -145,6 +146,7 @@ class ShardedAudit:
         self.nodes = tuple(nodes)
         self.rank = rank
         self.device = device
+        self.extra = dict(extra or {})
         self.partners = ring_partners(self.nodes)
         self.auditors = auditors_of(self.partners)
         self.every = config.audit_every if len(self.nodes) > 1 else 0
@@ -334,7 +336,11 @@ class ShardedAudit:
             )
         self.counters.calibration_audits += 1
         if self.armed:
-            _log.info("sdcguard armed after %d clean audits", self.config.calibrate)
+            _log.info(
+                "sdcguard armed after %d clean audits",
+                self.config.calibrate,
+                extra={**self.extra, "step": current.step},
+            )
 
     def _alarm(self, step: int, verdict: AuditVerdict) -> Alarm:
         lone = len(verdict.mismatches) == 1

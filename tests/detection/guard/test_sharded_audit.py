@@ -30,6 +30,7 @@ from tests.detection.conftest import run_ranks
 DIM, HEADS, SEQ, BATCH, VOCAB = 16, 2, 8, 2, 32
 CLEAN_STEPS = 200
 COMPARED_STEPS = 30  # the clean run against the same loop without audits
+RECIPE_STEPS = 6
 FLIP_STEP, FLIP_TARGET = 3, 1
 _UNSEEDED = torch.Generator().manual_seed(7)  # a random source the guard does not seed
 
@@ -99,6 +100,10 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _micro_batch(step: int, rank: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _batch(step, 10 * rank + micro)
+
+
 def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     tokens, targets = batch
     return F.cross_entropy(model(tokens), targets.reshape(-1))
@@ -144,15 +149,18 @@ def _run(
     flip: bool = False,
     loss_fn: Any = _loss,
     blocks: bool = True,
+    micro: int = 1,
+    autocast: bool = False,
 ) -> dict[str, Any]:
     model = _sharded(mesh_shape, blocks=blocks)
     optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    config = GuardConfig(seed=5, audit_every=audit_every, calibrate=calibrate)
+    config = GuardConfig(seed=5, audit_every=audit_every, calibrate=calibrate, micro_batches=micro)
+    batch_of: Any = _micro_batch if micro > 1 else _batch
     guard = SDCGuard(
         model,
         optim,
         loss_fn=loss_fn,
-        microbatch=None if shipped else _batch,
+        microbatch=None if shipped else batch_of,
         config=config,
     )
     hook = _ActivationFlip()
@@ -165,8 +173,12 @@ def _run(
         hook.armed = flip and step == FLIP_STEP
         try:
             with guard.step(step):
-                batch = _batch(step, rank)
-                guard.backward(loss_fn(model, batch), batch=batch if shipped else None)
+                for m in range(micro):
+                    model.set_requires_gradient_sync(m == micro - 1)  # type: ignore[operator]
+                    batch = _micro_batch(step, rank, m) if micro > 1 else _batch(step, rank)
+                    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                        loss = loss_fn(model, batch)
+                    guard.backward(loss, batch=batch if shipped else None)
                 optim.step()
                 optim.zero_grad()
         except GuardHaltedError:
@@ -198,6 +210,9 @@ def _two_ranks(rank: int, world: int) -> dict[str, Any]:
         "clean": _run(rank, (world,), steps=CLEAN_STEPS),
         "unaudited": _run(rank, (world,), steps=COMPARED_STEPS, audit_every=0, calibrate=0),
         "unreplayable": _run(rank, (world,), steps=3, loss_fn=_unreplayable_loss),
+        # with accumulation a loss audit replays micro-batch (step // audit_every) % 2
+        "accumulation": _run(rank, (world,), steps=RECIPE_STEPS, micro=2, shipped=True),
+        "autocast": _run(rank, (world,), steps=RECIPE_STEPS, autocast=True),
     }
 
 
@@ -277,6 +292,21 @@ def test_an_activation_flip_at_an_audited_step_names_the_pair(
         assert alarm["suspect_ranks"] == sorted([auditor, FLIP_TARGET])
         assert r["outcomes"][FLIP_STEP][1] is False  # the audit at the flip did not pass
         assert (r["flipped"] is not None) is (rank == FLIP_TARGET)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["accumulation", "autocast"])
+def test_accumulation_and_autocast_replay_bitwise(
+    two_ranks: list[dict[str, Any]], recipe: str
+) -> None:
+    """Two micro-batches a step (FSDP2's own sync switch, batches shipped: each audit replays
+    the other one) and a bfloat16 autocast region around the loss: calibrated, then clean."""
+    for r in two_ranks:
+        result = r[recipe]
+        assert result["alarms"] == []
+        assert [o[1] for o in result["outcomes"]] == [True] * RECIPE_STEPS
+        assert result["counters"]["calibration_audits"] == 2
+        assert result["armed"]
 
 
 @pytest.mark.slow
