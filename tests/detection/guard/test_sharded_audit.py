@@ -11,7 +11,9 @@ every scenario; each test reads its part.
 
 from __future__ import annotations
 
+import functools
 import socket
+import tempfile
 from typing import Any
 
 import pytest
@@ -23,7 +25,12 @@ from torch.distributed.fsdp import fully_shard
 
 from detection.audit.calibration import NotReplayableError
 from detection.audit.ring import auditors_of, ring_partners
+from detection.gate import CheckpointGate
 from detection.guard import GuardConfig, GuardHaltedError, SDCGuard
+from detection.guard.sharded_audit import replicas_apart
+from detection.guard.sharded_decision import Row, ShardedDecision
+from detection.weights.fingerprint import Fingerprint
+from detection.weights.replicas import ReplicaGroups
 from detection.weights.sharded import sharded_fingerprint
 from tests.detection.conftest import run_ranks
 
@@ -138,6 +145,10 @@ class _ActivationFlip:
         return torch.where(mask.view_as(output), flipped, output)
 
 
+def _save(state: dict[str, int], path: Any) -> None:
+    torch.save(state, path)
+
+
 def _run(
     rank: int,
     mesh_shape: tuple[int, ...],
@@ -151,17 +162,21 @@ def _run(
     blocks: bool = True,
     micro: int = 1,
     autocast: bool = False,
+    checkpoint_at: int | None = None,
 ) -> dict[str, Any]:
     model = _sharded(mesh_shape, blocks=blocks)
     optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     config = GuardConfig(seed=5, audit_every=audit_every, calibrate=calibrate, micro_batches=micro)
     batch_of: Any = _micro_batch if micro > 1 else _batch
+    scratch = tempfile.TemporaryDirectory(prefix="sharded-audit-")
+    gate = CheckpointGate(scratch.name, audit_every=audit_every) if checkpoint_at else None
     guard = SDCGuard(
         model,
         optim,
         loss_fn=loss_fn,
         microbatch=None if shipped else batch_of,
         config=config,
+        gate=gate,
     )
     hook = _ActivationFlip()
     if flip and rank == FLIP_TARGET:
@@ -190,8 +205,14 @@ def _run(
         assert outcome is not None
         outcomes.append((step, outcome.audit_passed, outcome.vote_passed))
         fingerprints.append(outcome.fingerprint.hex())
+        if gate is not None and step == checkpoint_at:
+            gate.write(step, functools.partial(_save, {"step": step}))
     whole = sharded_fingerprint(model.parameters())
     guard.close()
+    checkpoints = (
+        [(r.step, str(r.status), r.evidence.get("kind")) for r in gate.records] if gate else []
+    )
+    scratch.cleanup()
     return {
         "alarms": [a.to_report() for a in guard.alarms],
         "outcomes": outcomes,
@@ -202,6 +223,7 @@ def _run(
         "refused": refused,
         "coverage": guard.coverage(),  # type: ignore[attr-defined]
         "flipped": hook.flipped,
+        "checkpoints": checkpoints,
     }
 
 
@@ -220,8 +242,12 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
     return {
         "fsdp-clean": _run(rank, (world,), steps=CLEAN_STEPS, shipped=True, blocks=False),
         "hsdp-clean": _run(rank, (2, world // 2), steps=CLEAN_STEPS, blocks=False),
-        "fsdp-flip": _run(rank, (world,), steps=FLIP_STEP + 3, calibrate=1, flip=True),
-        "hsdp-flip": _run(rank, (2, world // 2), steps=FLIP_STEP + 3, calibrate=1, flip=True),
+        "fsdp-flip": _run(
+            rank, (world,), steps=FLIP_STEP + 3, calibrate=1, flip=True, checkpoint_at=1
+        ),
+        "hsdp-flip": _run(
+            rank, (2, world // 2), steps=FLIP_STEP + 3, calibrate=1, flip=True, checkpoint_at=1
+        ),
     }
 
 
@@ -281,7 +307,8 @@ def test_an_activation_flip_at_an_audited_step_names_the_pair(
 ) -> None:
     """Rank 1's embedding output loses its exponent's top bit in the original forward of
     step 3 (finite): its auditor's recomputation disagrees; that one pair is named. The
-    steps before are silent and their audits pass."""
+    steps before are silent and their audits pass; the checkpoint gate takes the audits'
+    evidence as for DDP."""
     auditor = auditors_of(ring_partners([socket.gethostname()] * 4))[FLIP_TARGET]
     for rank, result in enumerate(four_ranks):
         r = result[scenario]
@@ -292,6 +319,11 @@ def test_an_activation_flip_at_an_audited_step_names_the_pair(
         assert alarm["suspect_ranks"] == sorted([auditor, FLIP_TARGET])
         assert r["outcomes"][FLIP_STEP][1] is False  # the audit at the flip did not pass
         assert (r["flipped"] is not None) is (rank == FLIP_TARGET)
+        # the gate: under HSDP the audited step 1, audit and vote passed, verified the
+        # checkpoint written after it; under FSDP2 no copy was compared, so it stayed pending
+        # until the alarm quarantined it
+        want = (1, "verified", "loss") if scenario == "hsdp-flip" else (1, "quarantined", None)
+        assert r["checkpoints"] == [want]
 
 
 @pytest.mark.slow
@@ -320,3 +352,33 @@ def test_a_loss_that_does_not_reproduce_itself_is_refused_by_calibration(
         assert "twice from the same seed gave two different results" in u["refused"]
         assert u["alarms"] == []
         assert not u["armed"]
+
+
+def _row(part: int) -> Row:
+    return Row(
+        1,
+        False,
+        False,
+        True,
+        False,
+        False,
+        0,
+        1.0,
+        1e-6,
+        1.0,
+        Fingerprint(3, 3),
+        Fingerprint(part, part),
+    )
+
+
+def test_hsdp_replicas_alarmed_as_different_make_their_mismatch_a_consequence() -> None:
+    """HSDP 2x2: ranks 0, 1 read replica 0, ranks 2, 3 replica 1. Once rank 2's copy of its
+    shard was alarmed as different, ranks of the two replicas compute apart (an audit
+    mismatch between them follows); ranks of one replica never do."""
+    decision = ShardedDecision(ReplicaGroups.of_mesh([[0, 1], [2, 3]]), ["n"] * 4)
+    apart = replicas_apart(decision)
+    assert not any(apart(a, b) for a in range(4) for b in range(4))
+    outcome = decision.decide(1, [_row(7), _row(8), _row(9), _row(8)])
+    assert outcome.alarm is not None  # the split of shard (0, 2): known from now on
+    pairs = [(a, b) for a in range(4) for b in range(4) if apart(a, b)]
+    assert pairs == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 0), (2, 1), (3, 0), (3, 1)]
