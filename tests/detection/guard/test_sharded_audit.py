@@ -11,13 +11,14 @@ every scenario; each test reads its part.
 
 from __future__ import annotations
 
-import functools
+import shutil
 import socket
 import tempfile
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -145,8 +146,12 @@ class _ActivationFlip:
         return torch.where(mask.view_as(output), flipped, output)
 
 
-def _save(state: dict[str, int], path: Any) -> None:
-    torch.save(state, path)
+def _shared_directory(rank: int) -> str:
+    """A scratch directory every rank writes its shards into (rank 0 makes it)."""
+    holder = [tempfile.mkdtemp(prefix="sharded-audit-") if rank == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    assert holder[0] is not None
+    return holder[0]
 
 
 def _run(
@@ -168,8 +173,8 @@ def _run(
     optim = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     config = GuardConfig(seed=5, audit_every=audit_every, calibrate=calibrate, micro_batches=micro)
     batch_of: Any = _micro_batch if micro > 1 else _batch
-    scratch = tempfile.TemporaryDirectory(prefix="sharded-audit-")
-    gate = CheckpointGate(scratch.name, audit_every=audit_every) if checkpoint_at else None
+    directory = _shared_directory(rank) if checkpoint_at is not None else None
+    gate = CheckpointGate(directory, audit_every=audit_every) if directory else None
     guard = SDCGuard(
         model,
         optim,
@@ -206,13 +211,16 @@ def _run(
         outcomes.append((step, outcome.audit_passed, outcome.vote_passed))
         fingerprints.append(outcome.fingerprint.hex())
         if gate is not None and step == checkpoint_at:
-            gate.write(step, functools.partial(_save, {"step": step}))
+            gate.write_sharded(step, {"model": model.state_dict()})  # collective
     whole = sharded_fingerprint(model.parameters())
     guard.close()
     checkpoints = (
         [(r.step, str(r.status), r.evidence.get("kind")) for r in gate.records] if gate else []
     )
-    scratch.cleanup()
+    if directory is not None:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(directory)
     return {
         "alarms": [a.to_report() for a in guard.alarms],
         "outcomes": outcomes,
@@ -319,9 +327,9 @@ def test_an_activation_flip_at_an_audited_step_names_the_pair(
         assert alarm["suspect_ranks"] == sorted([auditor, FLIP_TARGET])
         assert r["outcomes"][FLIP_STEP][1] is False  # the audit at the flip did not pass
         assert (r["flipped"] is not None) is (rank == FLIP_TARGET)
-        # the gate: under HSDP the audited step 1, audit and vote passed, verified the
-        # checkpoint written after it; under FSDP2 no copy was compared, so it stayed pending
-        # until the alarm quarantined it
+        # the gate (a sharded checkpoint through DCP after step 1): under HSDP the audited
+        # step, audit and vote passed, verified it; under FSDP2 no copy was compared, so it
+        # stayed pending until the alarm quarantined it
         want = (1, "verified", "loss") if scenario == "hsdp-flip" else (1, "quarantined", None)
         assert r["checkpoints"] == [want]
 
