@@ -16,8 +16,9 @@ run):
   reduce-scatter; ``.grad`` is not touched;
 * sharding — FSDP2 keeps the root module's parameters unsharded after its forward (a
   heuristic for training: the backward needs them at once). After a replay no backward
-  follows: every FSDP module is resharded (:meth:`FSDPModule.reshard`), so the next step's
-  forward all-gathers the updated shards instead of reading a stale unsharded copy;
+  follows: every parameter group sharded before the replay is resharded (as
+  :meth:`FSDPModule.reshard` does), so the next step's forward all-gathers the updated shards
+  instead of reading a stale unsharded copy;
 * backward prefetch order — each FSDP forward records its module's position for the next
   backward's prefetching; the replay's records are dropped again, so the next step's backward
   prefetches exactly what it would have without the replay;
@@ -55,17 +56,20 @@ def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
 
 @contextlib.contextmanager
 def fsdp_untouched(modules: Sequence[FSDPModule]) -> Iterator[None]:
-    """Run a forward through FSDP2 modules and leave them as found: resharded, with the
-    forward-order records the backward prefetch reads cut back to their length before."""
+    """Run a forward through FSDP2 modules and leave them as found: the parameter groups
+    sharded before sharded again, the forward-order records the backward prefetch reads cut
+    back to their length before. (A group the loop kept unsharded — ``reshard_after_backward``
+    off — may come back sharded: FSDP2 gathers it again when next needed.)"""
     groups = [g for m in modules for g in m._get_fsdp_state()._fsdp_param_groups]
+    sharded = [g for g in groups if g.is_sharded]
     indices = [(g._post_forward_indices, len(g._post_forward_indices)) for g in groups]
     orders = {id(g.comm_ctx): g.comm_ctx.post_forward_order for g in groups}
     lengths = [(order, len(order)) for order in orders.values()]
     try:
         yield
     finally:
-        for m in modules:
-            m.reshard()
+        for group in sharded:
+            group.reshard()  # FSDPModule.reshard, per group: the root stays unsharded otherwise
         for recorded, n in indices:
             del recorded[n:]
         for order, n in lengths:
