@@ -4,8 +4,9 @@ A small transformer (embedding, causal attention through ``scaled_dot_product_at
 LayerNorm, an MLP with dropout) trains 200 steps with an audit every step under FSDP2 on two
 and four ranks and under HSDP 2x2: no alarm, every audit passed, calibration armed, and the
 replays leave training bitwise as it is without them. A flipped activation bit on one rank at
-an audited step is caught at that step, the auditor/audited pair named. A loss that reads an
-unseeded random source is refused by calibration. Two launches (two ranks, four ranks) carry
+an audited step is caught at that step, the auditor/audited pair named; a rank corrupted in
+every forward, its replays included, is named alone. A loss that reads an unseeded random
+source is refused by calibration. Two launches (two ranks, four ranks) carry
 every scenario; each test reads its part.
 """
 
@@ -125,16 +126,18 @@ def _unreplayable_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor
 class _ActivationFlip:
     """A forward hook on the embedding: when armed, the largest activation (|x| ≥ 2) of the
     next forward gets bit 30 — the exponent's top bit — flipped, a finite corruption of one
-    rank's original forward (disarmed at once, so no replay sees it)."""
+    rank's original forward (disarmed at once, so no replay sees it) or, ``persistent``, of
+    every forward of that rank while armed, its replays of its partner included."""
 
-    def __init__(self) -> None:
+    def __init__(self, persistent: bool = False) -> None:
+        self.persistent = persistent
         self.armed = False
         self.flipped: float | None = None
 
     def __call__(self, _module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
         if not self.armed:
             return output
-        self.armed = False
+        self.armed = self.persistent
         flat = output.detach().reshape(-1)
         i = int(flat.abs().argmax())
         assert abs(float(flat[i])) >= 2.0, "bit 30 must make the value smaller: finite"
@@ -163,6 +166,7 @@ def _run(
     calibrate: int = 2,
     shipped: bool = False,
     flip: bool = False,
+    persistent: bool = False,
     loss_fn: Any = _loss,
     blocks: bool = True,
     micro: int = 1,
@@ -183,14 +187,14 @@ def _run(
         config=config,
         gate=gate,
     )
-    hook = _ActivationFlip()
+    hook = _ActivationFlip(persistent)
     if flip and rank == FLIP_TARGET:
         model.emb.register_forward_hook(hook)
     outcomes: list[tuple[int, bool, bool]] = []
     fingerprints: list[str] = []
     refused = ""
     for step in range(steps):
-        hook.armed = flip and step == FLIP_STEP
+        hook.armed = flip and (step >= FLIP_STEP if persistent else step == FLIP_STEP)
         try:
             with guard.step(step):
                 for m in range(micro):
@@ -255,6 +259,9 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
         ),
         "hsdp-flip": _run(
             rank, (2, world // 2), steps=FLIP_STEP + 3, calibrate=1, flip=True, checkpoint_at=1
+        ),
+        "fsdp-persistent": _run(
+            rank, (world,), steps=FLIP_STEP + 3, calibrate=1, flip=True, persistent=True
         ),
     }
 
@@ -390,3 +397,19 @@ def test_hsdp_replicas_alarmed_as_different_make_their_mismatch_a_consequence() 
     assert outcome.alarm is not None  # the split of shard (0, 2): known from now on
     pairs = [(a, b) for a in range(4) for b in range(4) if apart(a, b)]
     assert pairs == [(0, 2), (0, 3), (1, 2), (1, 3), (2, 0), (2, 1), (3, 0), (3, 1)]
+
+
+@pytest.mark.slow
+def test_a_rank_wrong_in_both_roles_is_named_alone(four_ranks: list[dict[str, Any]]) -> None:
+    """From step 3 on every forward of rank 1 is corrupted, its replays of its partner too:
+    both of its pairs disagree, and rank 1 is the one rank that explains both."""
+    partners = ring_partners([socket.gethostname()] * 4)
+    auditor = auditors_of(partners)[FLIP_TARGET]
+    for result in four_ranks:
+        r = result["fsdp-persistent"]
+        assert [o[1] for o in r["outcomes"][:FLIP_STEP]] == [True] * FLIP_STEP
+        (alarm,) = r["alarms"]
+        assert (alarm["step"], alarm["layer"], alarm["phase"]) == (FLIP_STEP, "audit", "loss")
+        pairs = {(p["auditor"], p["audited"]) for p in alarm["detail"]["mismatched_pairs"]}
+        assert pairs == {(auditor, FLIP_TARGET), (FLIP_TARGET, partners[FLIP_TARGET])}
+        assert alarm["suspect_ranks"] == [FLIP_TARGET]
