@@ -17,14 +17,20 @@ What runs in this first cut, per step, and what does not (never claimed):
   model's value on every rank, the value checkpoints carry; under HSDP the weight vote of
   each shard across its replicate group (:mod:`detection.weights.replicas`): three or more
   replicas name the rank, two say that they differ.
-* **off, said at start** — the ring audit (``audit_every`` must be 0), ABFT, the
+* **on with** ``audit_every > 0`` — the ring audit in loss mode
+  (:mod:`detection.guard.sharded_audit`): on an audited step every rank recomputes its ring
+  partner's micro-batch loss through the sharded model, all ranks at once, before the update,
+  and the decision compares it bitwise with the partner's; ``calibrate`` as for DDP.
+* **off, said at start** — the gradient audit (``audit_mode='gradient'``), ABFT, the
   optimizer-state vote, ``skip_update_on_alarm``, ``defer_decision``, fault injection: each
   is refused when asked for explicitly. A reduce-scatter or all-gather of
   one's own (``comm_hook=``, FSDP2's ``ReduceScatter`` / ``AllGather``, or one of each) is
   wrapped, as a DDP comm hook is.
   Under pure FSDP2 nothing compares a shard with another copy, so a wrong update or a flip in
-  a rank's stored weights is *not* detected (``docs/guide.md``), and no checkpoint is verified
-  by a vote there (:class:`~detection.gate.StepOutcome` ``vote_passed`` is false).
+  a rank's stored weights is *not* detected (``docs/guide.md``) — the audit does not see it
+  either: every rank gathers the same wrong shard — and no checkpoint is verified there
+  (:class:`~detection.gate.StepOutcome` ``vote_passed`` is false; a passed audit alone does
+  not verify weights no copy was compared with).
 
 Every rank's evidence travels as one int64 row — step, flags, its shard's fingerprint — in one
 all-gather a step, and every rank decides alike from the table.
@@ -44,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from detection.audit.calibration import check_agreement, replay_environment
 from detection.audit.ring import seed_rng, step_seed
 from detection.gate import CheckpointGate, StepOutcome
 from detection.guard.config import (
@@ -56,6 +63,7 @@ from detection.guard.config import (
 from detection.guard.counters import GuardCounters
 from detection.guard.decision import any_nonfinite
 from detection.guard.protocol import refuse_backward, refuse_step, require_step
+from detection.guard.sharded_audit import ShardedAudit, refuse_audit_config, replicas_apart
 from detection.guard.sharded_decision import ROW_WORDS, Row, ShardedDecision, word_float
 from detection.guard.sharded_hook import CheckedAllGather, CheckedReduceScatter
 from detection.guard.sharded_stats import ShardedStats
@@ -92,9 +100,10 @@ class ShardedGuard:
         comm_hook: Any = None,
         comm_state: Any = None,
     ) -> None:
-        del loss_fn, microbatch, comm_state  # what the ring audit would replay: not run here
+        del comm_state  # a DDP comm hook's state: FSDP2's comms carry their own
         self.config = config or GuardConfig()
         refuse_unsupported(self.config, comm_hook)
+        refuse_audit_config(self.config, loss_fn)
         self.layout: ShardedLayout = adopt_sharded(model)
         self.model = model
         self.module = self.layout.module
@@ -129,6 +138,20 @@ class ShardedGuard:
         # built with step_checks off too (it then learns nothing): its state is the guard's
         self.stats = ShardedStats(self.world_size, self.config.stats, self.nodes)
         self.decision = ShardedDecision(self.layout.replicas, self.nodes, self.layout.gatherers)
+        self.audit: ShardedAudit | None = None
+        if self.config.audit_every > 0 and self.world_size > 1 and loss_fn is not None:
+            self.audit = ShardedAudit(
+                model,
+                self.module,
+                loss_fn=loss_fn,
+                microbatch=microbatch,
+                config=self.config,
+                counters=self.counters,
+                nodes=self.nodes,
+                rank=self.rank,
+                device=self.device,
+                extra={"job": job_id, "rank": self.rank, "node": self.node},
+            )
         inner_rs, inner_ag = user_comms(comm_hook) or (None, None)
         self.reduce_scatter = CheckedReduceScatter(self.device, inner=inner_rs)
         self.reduce_scatter.install(self.module)
@@ -160,11 +183,13 @@ class ShardedGuard:
             vote = "weight vote across 2 replicas of each shard (detects, cannot name)"
         else:
             vote = "no weight vote (one copy of each shard: a wrong update is not detected)"
+        audit = f", {self.audit.describe()}" if self.audit is not None else ""
+        off = "gradient audit" if self.audit is not None else "ring audit"
         return (
             "on: non-finite gradients before and after the reduce-scatter, its algebra, the "
             "all-gather's views compared, "
             "per-step gradient statistics (step_checks), "
-            f"non-finite weights, fingerprint, {vote}; off: ring audit, ABFT, "
+            f"non-finite weights, fingerprint, {vote}{audit}; off: {off}, ABFT, "
             "optimizer-state vote"
         )
 
@@ -174,19 +199,27 @@ class ShardedGuard:
             if identity is not None
             else {"rank": self.rank, "local_rank": self.rank, "node": self.node}
         )
+        # a replay is evidence only if every rank computes bitwise alike: with the audit on,
+        # the ranks' hardware, builds and kernel settings must agree (as under DDP)
+        env = replay_environment(self.device) if self.config.audit_every > 0 else {}
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, (self.node, repr(self.config), ident))
-        if len({c for _, c, _ in everyone}) > 1:
+        dist.all_gather_object(everyone, (self.node, repr(self.config), ident, env))
+        if len({c for _, c, _, _ in everyone}) > 1:
             raise GuardConfigError("ranks were given different GuardConfig values")
-        return tuple(n for n, _, _ in everyone), [i for _, _, i in everyone]
+        problems = check_agreement([e for _, _, _, e in everyone])
+        if problems:
+            raise GuardConfigError("; ".join(problems))
+        return tuple(n for n, _, _, _ in everyone), [i for _, _, i, _ in everyone]
 
     # -- the training-loop API ---------------------------------------------------------------------
     @property
     def armed(self) -> bool:
-        return True  # no audit, nothing to calibrate
+        """Whether audits may raise alarms: calibration is over (or was not asked for)."""
+        return self.audit.armed if self.audit is not None else True
 
     @property
     def replaying(self) -> None:
+        """A diagnostic run's trace mode, as on :class:`SDCGuard`: never inside one here."""
         return None
 
     @contextlib.contextmanager
@@ -196,21 +229,29 @@ class ShardedGuard:
         self._current = _Step(step)
         self.reduce_scatter.begin_step()
         self.all_gather.begin_step()
+        if self.audit is not None:
+            self.audit.begin_step(step)
         seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
         try:
             yield
             self._finish(self._current)
         finally:
             self._current = None
+            if self.audit is not None:
+                self.audit.end_step()
 
     def backward(
         self, loss: torch.Tensor, *, scaler: torch.amp.GradScaler | None = None, batch: Any = None
     ) -> None:
         """``loss.backward()`` — or ``scaler.scale(loss).backward()``; after the step's last
-        micro-batch, the non-finite check of the reduce-scattered gradient shards."""
-        del batch  # shipped to an auditor under DDP; no audit here
+        micro-batch, the non-finite check of the reduce-scattered gradient shards and, on an
+        audited step, the replay of the partner's micro-batch (weights not yet updated).
+        ``batch``: the batch the loss came from, shipped to the auditor when there is no
+        ``microbatch`` function."""
         current = self._require_step("guard.backward()")
         refuse_backward(current, loss, self.micro_batches)
+        if self.audit is not None:
+            self.audit.record(loss, batch)
         current.loss = loss.detach()
         scaling = scaler is not None and scaler.is_enabled()
         current.scaled = current.scaled or scaling
@@ -227,6 +268,8 @@ class ShardedGuard:
             return
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         current.grad_nonfinite = any_nonfinite(grads) if grads else None
+        if self.audit is not None:
+            self.audit.run()
 
     @property
     def checks(self) -> ShardedStats:
@@ -276,6 +319,8 @@ class ShardedGuard:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.audit is not None:
+            self.audit.close()
 
     # -- hooks and the decision --------------------------------------------------------------------
     def _require_step(self, what: str) -> _Step:
@@ -314,6 +359,7 @@ class ShardedGuard:
                 *self.reduce_scatter.sums.view(torch.int64),
                 *self.all_gather.view,
                 *mine,
+                *(self.audit.words() if self.audit is not None else [zero, zero]),
             ]
         )
         row = torch.cat([row, self._statistics(current).view(torch.int64)])
@@ -325,6 +371,8 @@ class ShardedGuard:
                 "same step number to guard.step()"
             )
         outcome = self.decision.decide(current.step, rows)
+        if self.audit is not None:
+            outcome = self.audit.decide(rows, outcome, replicas_apart(self.decision))
         if outcome.alarm is None and self.config.step_checks:
             floats = [[word_float(w) for w in r[ROW_WORDS:]] for r in table]
             found = self.stats.decide(current.step, floats, learn=True)

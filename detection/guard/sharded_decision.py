@@ -3,8 +3,10 @@
 Each rank's row says: its step, whether its own gradient held a non-finite value before the
 reduce-scatter (:mod:`detection.guard.sharded_hook`), whether the gradient shards it holds
 after the reduce-scatter do, whether its weight shards do after the update, whether an optimizer
-stepped, whether a GradScaler scaled the loss, and its shard's fingerprint (at unsharded
-positions). At most one alarm a step, the first that applies:
+stepped, whether a GradScaler scaled the loss, its shard's fingerprint (at unsharded
+positions) and, last, the ring audit's two words — its own loss and its partner's loss
+recomputed (:mod:`detection.guard.sharded_audit`, which decides the audit after the layers
+below). At most one alarm a step, the first that applies:
 
 1. **A non-finite gradient** (no GradScaler: under one, an overflow is the scaler's to skip).
    Seen in a rank's own gradient before the reduce-scatter: that rank is named
@@ -45,7 +47,7 @@ from detection.weights.vote import KnownDivergence
 __all__ = ["ROW_WORDS", "Row", "ShardedDecision", "word_float"]
 
 #: The words of :class:`Row`; a guard's row carries the per-step statistics after them.
-ROW_WORDS = 14
+ROW_WORDS = 16
 
 
 def word_float(word: int) -> float:
@@ -97,13 +99,16 @@ class Row:
     reduced_out: float  # Σ of the shards it received
     gathered: Fingerprint  # what it received from the step's all-gathers
     part: Fingerprint
+    audited_loss: int = 0  # the ring audit (detection.guard.sharded_audit): own loss bits
+    replayed_loss: int = 0  # and its partner's loss recomputed here (0 when not audited)
 
     @classmethod
     def read(cls, words: Sequence[int]) -> Row:
         step, grad_nf, weights_nf, stepped, scaled, own_nf, unchecked, s_in, bound, s_out = words[
             :10
         ]
-        ga, gb, a, b = words[10:]
+        ga, gb, a, b = words[10:14]
+        audited, replayed = words[14:16]
         return cls(
             step=step,
             grad_nonfinite=bool(grad_nf),
@@ -117,6 +122,8 @@ class Row:
             reduced_out=word_float(s_out),
             gathered=to_fingerprint(ga, gb),
             part=to_fingerprint(a, b),
+            audited_loss=audited,
+            replayed_loss=replayed,
         )
 
 

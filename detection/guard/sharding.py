@@ -151,8 +151,6 @@ def adopt_sharded(model: nn.Module) -> ShardedLayout:
 def refuse_unsupported(config: GuardConfig, comm_hook: Any) -> None:
     """What a sharded model's guard does not run, refused when asked for (never ignored)."""
     refused = {
-        "audit_every > 0 (the ring audit)": config.audit_every > 0,
-        "calibrate > 0": config.calibrate > 0,
         "abft=True": config.abft is True,
         "vote_optimizer_state=True": config.vote_optimizer_state,
         "skip_update_on_alarm=True": config.skip_update_on_alarm,

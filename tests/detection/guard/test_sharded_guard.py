@@ -314,6 +314,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
             out[what] = "accepted"
 
     refused("audit", lambda: _sharded((world,)), audit_every=2)
+    refused("gradient-audit", lambda: _sharded((world,)), audit_every=2, audit_mode="gradient")
     refused("inject", lambda: _sharded((world,)), inject=("weight-flip@0:1",))
     refused("fsdp1", lambda: FullyShardedDataParallel(_Net(), device_id=torch.device("cpu")))
 
@@ -343,7 +344,9 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 @pytest.mark.slow
 def test_what_the_sharded_guard_does_not_run_is_refused_with_the_reason() -> None:
     out = run_ranks(_refusals, 2, timeout_s=120)[0]
-    assert "audit_every > 0" in out["audit"]
+    assert out["audit"] == "accepted"  # the ring audit runs in loss mode (test_sharded_audit)
+    assert "audit_mode='gradient'" in out["gradient-audit"]
+    assert "reduce-scatter" in out["gradient-audit"]
     assert "fault injection" in out["inject"]
     assert "FSDP1" in out["fsdp1"]
     assert "Shard(d > 0)" in out["shard-dim-1"]
