@@ -15,8 +15,9 @@ Every rank holds the same model four times, each sharded as FSDP2's tutorial sha
 A round runs one step of each variant, in an order shuffled per round (the same on every
 rank), each after a barrier; a row is the median over rounds of the per-round ratio of the
 guarded step to the plain step of the same layout, as ``overhead.py``'s rows are, with a 95 %
-bootstrap interval of that median. The sharded guard runs no ring audit and no checksums, so
-there is one row per layout.
+bootstrap interval of that median. The rows run no ring audit (its cost is a forward of a partner's
+micro-batch every K steps, as under DDP) and the sharded guard runs no checksums, so there is
+one row per layout.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ plane check a job's options before any torch import).
   share its fast interconnect, so the shards of one replica stay inside it).
 
 The sharded guard (:mod:`detection.guard.sharded`) does not run every layer the DDP guard
-does. What a sharded job therefore does not do is decided in one place each, here:
-:data:`SHARDED_RING_AUDIT` (the ring audit: until the sharded guard runs it, the job's
-``audit_every`` is taken as 0) and :data:`SHARDED_CHECKPOINTS` (checkpoints and resume: a
-sharded checkpoint is a directory ``ckpt-<step>/`` sealed by its ``manifest.json``, written by
-every rank through the gate, resumed from the directory or the manifest under any mesh).
+does. A sharded job audits as a DDP job does, in loss mode (the sharded guard replays a
+partner's micro-batch with every rank at once; gradient mode is refused), and writes and resumes
+checkpoints: a sharded checkpoint is a directory ``ckpt-<step>/`` sealed by its
+``manifest.json``, written by every rank through the gate, resumed from the directory or the
+manifest under any mesh.
 Options the sharded guard refuses are refused before any rank starts, naming the option and
 the reason (:func:`parallel_checks`).
 """
@@ -28,9 +28,7 @@ from detection.faults.spec import Computation, FaultKind, FaultSpec, FaultSpecEr
 
 __all__ = [
     "PARALLEL_MODES",
-    "SHARDED_CHECKPOINTS",
     "SHARDED_FAULT_KINDS",
-    "SHARDED_RING_AUDIT",
     "audit_every_of",
     "is_sharded",
     "mesh_shape",
@@ -49,6 +47,7 @@ class TrainConfig(Protocol):
     shard_size: int | None
     world_size: int
     audit_every: int
+    audit_mode: str
     inject: list[str]
     abft: bool | None
     abft_every: int | None
@@ -61,15 +60,6 @@ class TrainConfig(Protocol):
 
     def node_names(self) -> list[str]: ...
 
-
-#: Whether the sharded guard runs the ring audit. While it does not, a sharded job's
-#: ``audit_every`` is 0 whatever ``--audit-every`` says (:func:`audit_every_of`); the day it
-#: does, this turns true and the job audits as a DDP job does.
-SHARDED_RING_AUDIT = False
-
-#: Whether a sharded job writes and resumes checkpoints (``CheckpointGate.write_sharded``);
-#: false refuses ``--checkpoint-every`` and ``--resume-from`` under ``fsdp``/``hsdp``.
-SHARDED_CHECKPOINTS = True
 
 #: The ``--inject`` kinds a sharded job suffers (:mod:`detection.simulation.sharded_faults`):
 #: a rank's own unsharded gradient before the reduce-scatter, its forward, its weight shards
@@ -85,10 +75,8 @@ def is_sharded(config: TrainConfig) -> bool:
 
 
 def audit_every_of(config: TrainConfig) -> int:
-    """The ring audit's period the job runs with: ``--audit-every``, or 0 for a sharded job
-    while the sharded guard runs no ring audit (:data:`SHARDED_RING_AUDIT`)."""
-    if is_sharded(config) and not SHARDED_RING_AUDIT:
-        return 0
+    """The ring audit's period the job runs with: ``--audit-every``, sharded or not (the
+    sharded guard replays a partner's micro-batch in loss mode, every rank at once)."""
     return config.audit_every
 
 
@@ -144,32 +132,25 @@ def parallel_checks(config: TrainConfig) -> list[tuple[bool, str]]:
             f"{why}: the sharded guard decides every step as it ends (--defer-decision)",
         ),
         (
+            config.audit_mode == "loss" or audit_every_of(config) == 0,
+            f"{why}: the sharded guard audits in loss mode only (--audit-mode loss): a "
+            "partner's gradient is reduce-scattered with every rank's",
+        ),
+        (
             config.trace is None and config.probe is None,
             f"{why}: --trace and --probe record "
             "DDP's gradient buckets and the diagnostic replay, which trace DDP jobs only",
         ),
     ]
-    if SHARDED_CHECKPOINTS:
-        checks.append(
-            (
-                config.resume_from is None
-                or config.resume_from.name == _MANIFEST
-                or not config.resume_from.is_file(),
-                f"{why}: --resume-from {config.resume_from} is a file; a sharded checkpoint is "
-                f"a directory (ckpt-<step>/) or its {_MANIFEST}",
-            )
+    checks.append(
+        (
+            config.resume_from is None
+            or config.resume_from.name == _MANIFEST
+            or not config.resume_from.is_file(),
+            f"{why}: --resume-from {config.resume_from} is a file; a sharded checkpoint is "
+            f"a directory (ckpt-<step>/) or its {_MANIFEST}",
         )
-    else:
-        checks += [
-            (
-                config.checkpoint_every == 0,
-                f"{why}: sharded checkpoints are not written yet (--checkpoint-every)",
-            ),
-            (
-                config.resume_from is None,
-                f"{why}: a sharded job resumes from no checkpoint yet (--resume-from)",
-            ),
-        ]
+    )
     checks += [(False, f"{why}: {problem}") for problem in _fault_problems(config)]
     return checks
 
@@ -211,5 +192,8 @@ def _fault_problems(config: TrainConfig) -> list[str]:
             kinds = ", ".join(sorted(k.value for k in SHARDED_FAULT_KINDS))
             problems.append(f"--inject {text}: {spec.kind} is not injected (only {kinds})")
         elif spec.computation is Computation.RECOMPUTE:
-            problems.append(f"--inject {text}: no ring audit recomputes a partner's micro-batch")
+            problems.append(
+                f"--inject {text}: a sharded job's audit recomputes a partner's micro-batch "
+                "through the whole mesh: no fault is injected into it"
+            )
     return problems

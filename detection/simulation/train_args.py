@@ -90,8 +90,8 @@ def _job_options(p: argparse.ArgumentParser, d: TrainConfig) -> None:
         default=d.parallel,
         help="ddp: every rank the whole model (the default); fsdp: FSDP2, fully_shard on each "
         "block and the root over a 1-D mesh of all ranks; hsdp: the same on a 2-D "
-        "(replicate, shard) mesh. Under fsdp/hsdp the sharded guard runs no ring audit "
-        "(--audit-every is taken as 0), no --abft/--abft-every, --skip-update-on-alarm, "
+        "(replicate, shard) mesh. Under fsdp/hsdp the ring audit runs in loss mode only, "
+        "and no --abft/--abft-every, --skip-update-on-alarm, "
         "--defer-decision, --trace/--probe (refused); checkpoints are directories ckpt-<step>/ "
         "sealed by manifest.json, --resume-from takes one (or its manifest) under any mesh; "
         "--inject takes grad-flip, grad-nan, act-flip and weight-flip (the rank's own shards)",

@@ -26,12 +26,11 @@ def _job(**options: Any) -> dict[str, Any]:
     return run(TrainConfig(**{"world_size": 2, "steps": 5, "seed": 3, **options}))
 
 
-def test_the_options_give_the_sharded_guard_no_audit_no_injection_and_their_mesh() -> None:
-    """The ring audit and the injection are not the sharded guard's: the audit is off (one
-    place decides it), the faults go to the harness's own hooks; the mesh follows the
-    options."""
+def test_the_options_give_the_sharded_guard_its_audit_no_injection_and_their_mesh() -> None:
+    """A sharded job audits as a DDP job does; the faults go to the harness's own hooks, not
+    the sharded guard; the mesh follows the options."""
     fsdp = guard_config_of(parse_config(["--parallel", "fsdp", "--inject", "grad-flip@1:2"]))
-    assert (fsdp.audit_every, fsdp.inject) == (0, ())
+    assert (fsdp.audit_every, fsdp.inject) == (10, ())
     ddp = guard_config_of(parse_config(["--inject", "grad-flip@1:2"]))
     assert (ddp.audit_every, ddp.inject) == (10, ("grad-flip@1:2",))
     # HSDP shards within a node unless told: 4 ranks, 2 a node -> 2 replicas of 2 shards
@@ -72,6 +71,16 @@ def test_a_weight_flip_under_hsdp_with_two_replicas_is_detected_not_named() -> N
     report = _job(parallel="hsdp", inject=["weight-flip@1:2"])
     assert _alarms(report) == [(2, "fingerprint", "weights", [], [])]
     assert report["alarms"][0]["detail"]["ambiguous"] is True
+
+
+def test_an_activation_flip_under_fsdp_is_caught_by_the_audit_of_its_step() -> None:
+    """Bit 30 of an activation in rank 1's forward at step 2, an audited step: its partner
+    replays rank 1's micro-batch through the sharded model and gets another loss; the pair is
+    named on that step. The same job without the flip is silent (the test above, which audits
+    step 0 too)."""
+    report = _job(parallel="fsdp", audit_every=1, inject=["act-flip@1:2"])
+    assert [(a["step"], a["layer"], a["phase"]) for a in report["alarms"]] == [(2, "audit", "loss")]
+    assert set(report["alarms"][0]["suspect_ranks"]) == {0, 1}
 
 
 def test_checkpoints_are_sealed_directories_a_resume_continues_bitwise_on_any_mesh(
@@ -118,7 +127,8 @@ def test_a_checkpoint_of_the_other_kind_is_refused_before_any_rank_starts(
         (["--parallel", "fsdp", "--skip-update-on-alarm"], "--skip-update-on-alarm"),
         (["--parallel", "fsdp", "--trace", "t.jsonl"], "trace DDP jobs only"),
         (["--parallel", "fsdp", "--inject", "reduced-flip@0:1"], "reduced-flip is not injected"),
-        (["--parallel", "fsdp", "--inject", "act-flip@0:2:in=recompute"], "no ring audit"),
+        (["--parallel", "fsdp", "--inject", "act-flip@0:2:in=recompute"], "no fault is injected"),
+        (["--parallel", "fsdp", "--audit-mode", "gradient"], "loss mode only"),
         (["--parallel", "fsdp", "--shard-size", "1"], "--shard-size applies to --parallel hsdp"),
         (["--parallel", "hsdp", "--shard-size", "3"], "do not split into replicas of 3"),
         (["--parallel", "hsdp", "--nodes", "a,b,a,b"], "a node's ranks are not consecutive"),
