@@ -349,6 +349,15 @@ def demo(
             "--approve-in-ui)."
         ),
     ] = False,
+    parallel: Annotated[
+        str,
+        typer.Option(
+            help="ddp, fsdp or hsdp: how every job of the demo is laid out. hsdp runs 2 "
+            "replicas x 2 shards and resumes from a checkpoint their weight vote verified; a "
+            "sharded job is not replayed diagnostically, so it needs --approve-in-ui (fsdp "
+            "verifies no checkpoint yet and is refused)."
+        ),
+    ] = "ddp",
     report: Annotated[Path | None, typer.Option(help="Write the report JSON here.")] = None,
     workdir: Annotated[Path, typer.Option(help="Where the demo keeps its state.")] = Path(
         ".sdcguard/demo"
@@ -378,6 +387,7 @@ def demo(
                     faulty_node=faulty_node,
                     approve_in_ui=approve_in_ui,
                     transient=transient,
+                    parallel=parallel,
                     prefect=server,
                     report=report,
                     workdir=workdir,

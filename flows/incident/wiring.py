@@ -147,7 +147,8 @@ def build_backends(
             telemetry=FixtureTelemetry(recovery.telemetry_fixtures or packaged_fixture_root()),
             rerunner=LocalRerunner(recovery.replay_dir(), timeout_s=recovery.replay_timeout_s),
             hyperpod=hyperpod,
-            checkpoints=FileCheckpointStore(recovery.checkpoint_root_path()),
+            # a local path, or a sharded checkpoint's manifest: each of its files is verified
+            checkpoints=UriCheckpointStore(FileCheckpointStore(recovery.checkpoint_root_path())),
             directory=LocalNodeDirectory(cluster),
             catalog=LocalJobCatalog(recovery.jobs_dir()),
             description=(

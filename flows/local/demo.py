@@ -27,6 +27,11 @@ is upset, on its own — rightly sees nothing, while the ring audit finds one di
 (every node reproduces the training record), and the approver chooses in the form which of the
 two to replace (the other goes back to work): the training record checks out, so the value
 that was wrong is the auditor's recomputation.
+
+``parallel`` runs every job of the demo sharded (``hsdp``: 2 replicas x 2 shards): the same
+incident, resumed from the newest checkpoint the replicas' weight vote verified, a sealed
+directory addressed by its manifest. A sharded job is not replayed diagnostically, so a person
+approves; what a sharded demo needs, and refuses, is :mod:`flows.local.demo_parallel`.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from db.migrate import upgrade
 from flows.incident.policy import IncidentPolicy
 from flows.incident.wiring import build_backends, use_backends
 from flows.local.demo_flow import DemoError, FlowThread, follow_flow, stop_record
+from flows.local.demo_parallel import layout_args, layout_words, parallel_problems, writes_trace
 from flows.local.demo_report import demo_report, plot_losses, print_summary
 from flows.local.prefect_server import PrefectServer, environ
 from flows.settings import AwsSettings, PolicySettings, RecoverySettings
@@ -88,6 +94,9 @@ class DemoConfig:
     """A one-off upset of the faulty node's recomputation of its ring partner's micro-batch at
     an audited step, instead of a persistent fault: two suspect nodes, the auditor and the
     audited."""
+    parallel: str = "ddp"
+    """How every job of the demo is laid out: ``ddp``, ``fsdp`` or ``hsdp``
+    (:mod:`flows.local.demo_parallel`)."""
     prefect: PrefectServer | None = None
     """The Prefect server the flow runs on; with ``approve_in_ui``, where its run is shown."""
     workdir: Path = Path(".sdcguard/demo")
@@ -136,6 +145,15 @@ class DemoConfig:
                 raise DemoError("--transient needs --approve-in-ui: a person picks the node")
             if not self.upset_step() < self.steps:
                 raise DemoError("--transient: no audited step between the fault and the end")
+        problems = parallel_problems(
+            self.parallel,
+            fault=self.fault,
+            world_size=self.world_size,
+            transient=self.transient,
+            approve_in_ui=self.approve_in_ui,
+        )
+        if problems:
+            raise DemoError("; ".join(problems))
 
 
 def _harness_args(config: DemoConfig, name: str, run_dir: Path, webhook: str | None) -> list[str]:
@@ -149,8 +167,11 @@ def _harness_args(config: DemoConfig, name: str, run_dir: Path, webhook: str | N
         "--checkpoint-every", str(config.checkpoint_every),
         "--checkpoint-dir", str(run_dir / f"{name}-checkpoints"),
         "--report", str(run_dir / f"{name}.json"),
-        "--trace", str(run_dir / f"{name}.trace.jsonl"),
+        # a sharded job writes no trace (the sharded harness refuses --trace)
+        *(["--trace", str(run_dir / f"{name}.trace.jsonl")] if writes_trace(config.parallel)
+          else []),
         "--job-id", name,
+        *layout_args(config.parallel),
     ]  # fmt: skip
     if webhook is not None:
         args += ["--webhook", webhook]
@@ -190,7 +211,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
 
     console.rule("[bold]sdcguard demo")
     console.print(
-        f"{config.world_size} ranks on {', '.join(config.nodes())}; spares "
+        f"{config.world_size} ranks ({layout_words(config.parallel, config.world_size)}) on "
+        f"{', '.join(config.nodes())}; spares "
         f"{', '.join(config.spare_nodes())}; fault [bold red]{config.fault_spec()}[/]"
     )
     with contextlib.ExitStack() as stack:
@@ -239,7 +261,7 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
 
         console.rule("1. reference run (no fault)")
         if config.reference is not None:
-            for name in ("reference.json", "reference.trace.jsonl"):
+            for name in _reference_files(config):
                 shutil.copyfile(config.reference / name, run_dir / name)
             console.print(f"  reused from {config.reference}")
         else:
@@ -250,7 +272,10 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             )
             _wait_job(jobs, reference_ref, config.timeout_s, "the reference run")
         reference = _read_json(run_dir / "reference.json")
-        console.print(f"  final fingerprint [cyan]{reference['final_fingerprint']}[/]")
+        console.print(
+            f"  final fingerprint [cyan]{reference['final_fingerprint']}[/], "
+            f"{len(reference['alarms'])} alarm(s)"
+        )
 
         what = (
             f"a one-off upset of {config.faulty_node}'s recomputation of its ring partner's "
@@ -290,24 +315,36 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
         recovered = _read_json(run_dir / f"{_JOB}.resumed-{resumed_step}.json")
         report = demo_report(config.fault_spec(), faulty, reference, recovered, summary, started)
         report["stop"] = stop_record(ledger, incident_id, faulty_pid, running)
+        report["parallel"] = config.parallel
+        report["reference_alarms"] = reference["alarms"]
         exact = report["recovered_fingerprint"] == report["reference_fingerprint"]
         print_summary(console, report, exact)
         report_path = config.report or (work / "demo-report.json")
         report_path.parent.mkdir(parents=True, exist_ok=True)
         report_path.write_text(json.dumps(report, indent=2) + "\n")
-        plot_path = config.plot or report_path.with_suffix(".png")
-        plot_losses(
-            plot_path,
-            run_dir,
-            _JOB,
-            resumed_step=resumed_step,
-            fault_step=config.upset_step() if config.transient else config.fault_step,
-            alarm_step=min(a["step"] for a in faulty["alarms"]),
-        )
-        console.print(f"report [bold]{report_path}[/], plot [bold]{plot_path}[/]")
+        if writes_trace(config.parallel):
+            plot_path = config.plot or report_path.with_suffix(".png")
+            plot_losses(
+                plot_path,
+                run_dir,
+                _JOB,
+                resumed_step=resumed_step,
+                fault_step=config.upset_step() if config.transient else config.fault_step,
+                alarm_step=min(a["step"] for a in faulty["alarms"]),
+            )
+            console.print(f"report [bold]{report_path}[/], plot [bold]{plot_path}[/]")
+        else:
+            console.print(
+                f"report [bold]{report_path}[/] (no loss plot: a sharded job writes no trace)"
+            )
         if not exact:
             raise DemoError("the recovered weights differ from the reference: recovery not exact")
     return report
+
+
+def _reference_files(config: DemoConfig) -> list[str]:
+    """What a reused reference run consists of: its report, and its trace where it wrote one."""
+    return ["reference.json"] + (["reference.trace.jsonl"] if writes_trace(config.parallel) else [])
 
 
 def _stop_all(jobs: LocalJobControl, refs: list[JobRef]) -> None:

@@ -38,6 +38,7 @@ def demo_report(
             "approval": summary["approval"],
             "replaced": summary["replaced"],
             "resumed_from_step": summary["resumed_from_step"],
+            "resumed_checkpoint": summary.get("resumed_checkpoint"),
             "resumed_nodes": summary.get("resumed_nodes"),
             "stages": summary["stages"],
             "reference_fingerprint": reference["final_fingerprint"],

@@ -11,7 +11,13 @@ Job pinned to the node, running the user's own pod template) and
 :class:`recovery.local.diagnosis.LocalRerunner` (processes on the simulated cluster).
 """
 
-from recovery.diagnosis.plan import JobCatalog, RerunPlan, StaticJobCatalog, plan_from_harness_args
+from recovery.diagnosis.plan import (
+    JobCatalog,
+    NotReplayable,
+    RerunPlan,
+    StaticJobCatalog,
+    plan_from_harness_args,
+)
 from recovery.diagnosis.rerun import (
     JobSpec,
     Rerunner,
@@ -26,6 +32,7 @@ from recovery.diagnosis.verdict import Verdict, VerdictResult, diagnose
 __all__ = [
     "JobCatalog",
     "JobSpec",
+    "NotReplayable",
     "RerunPlan",
     "RerunRequest",
     "RerunResult",

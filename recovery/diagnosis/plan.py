@@ -17,7 +17,19 @@ from recovery.diagnosis.rerun import JobSpec, StepRecord, load_trace
 from recovery.errors import PermanentError
 from recovery.jobs import JobKind, JobRef
 
-__all__ = ["JobCatalog", "RerunPlan", "StaticJobCatalog", "plan_from_harness_args"]
+__all__ = [
+    "JobCatalog",
+    "NotReplayable",
+    "RerunPlan",
+    "StaticJobCatalog",
+    "plan_from_harness_args",
+]
+
+
+class NotReplayable(PermanentError):
+    """How the job computes is known, but no diagnostic rerun of it can run: a sharded job
+    (``--parallel fsdp|hsdp``), whose guard refuses the rerun's trace mode. The replay stage
+    records an inconclusive verdict with this reason, so a person decides."""
 
 
 @dataclass(frozen=True)
@@ -61,11 +73,23 @@ class StaticJobCatalog:
 
 
 def plan_from_harness_args(args: Sequence[str]) -> RerunPlan:
-    """The rerun inputs from ``sdcguard train`` arguments (the options DESIGN fixes)."""
+    """The rerun inputs from ``sdcguard train`` arguments (the options DESIGN fixes).
+
+    A sharded job raises :class:`NotReplayable`: a rerun traces every step as a DDP job
+    (``--trace``), which ``--parallel fsdp|hsdp`` refuses; launched anyway it would fail and
+    say less than the refusal does."""
     try:
         known = known_train_args(args)
     except TrainArgsError as err:
         raise PermanentError("replay", "plan", "harness arguments", str(err)) from err
+    if known.parallel != "ddp":
+        raise NotReplayable(
+            "replay",
+            "plan",
+            f"--parallel {known.parallel}",
+            "a sharded job is not replayed diagnostically (its guard traces no step for a "
+            "rerun to compare: DDP jobs only); a person decides on the alarm's evidence",
+        )
     trace = known.trace
     reference = tuple(load_trace(trace)) if trace is not None and trace.is_file() else None
     spec = JobSpec(

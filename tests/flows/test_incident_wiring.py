@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
@@ -16,8 +17,8 @@ from flows.incident.policy import IncidentPolicy, storm_guard
 from flows.incident.wiring import Backends, build_backends, current_backends, use_backends
 from flows.settings import AwsSettings, BackendMode, RecoverySettings
 from recovery.aws.local import LocalAws, create_demo_cluster, start_local_aws
-from recovery.checkpoints.store import FileCheckpointStore
-from recovery.diagnosis.plan import plan_from_harness_args
+from recovery.checkpoints.uris import UriCheckpointStore
+from recovery.diagnosis.plan import NotReplayable, plan_from_harness_args
 from recovery.errors import PermanentError, TemporaryError
 from recovery.isolation import IsolateRemediation
 from recovery.jobs import JobKind
@@ -62,7 +63,7 @@ def test_local_settings_build_local_backends_that_reach_moto(
     backends = _local_backends(tmp_path, sqlite_database_url, local_aws)
     assert isinstance(backends.nodes, LocalNodeOps)
     assert isinstance(backends.jobs, LocalJobControl)
-    assert isinstance(backends.checkpoints, FileCheckpointStore)
+    assert isinstance(backends.checkpoints, UriCheckpointStore)
     assert backends.directory.spares(["node-0"]) == ["node-2"]
     assert len(backends.hyperpod.list_nodes()) == 3
     assert backends.catalog.ref("job-1").kind is JobKind.LOCAL
@@ -130,6 +131,37 @@ def test_replay_plan_is_read_from_the_local_job_record(tmp_path: Path) -> None:
     assert [r.step for r in plan.reference] == [0]
     with pytest.raises(PermanentError):
         LocalJobCatalog(tmp_path).rerun_plan("never-launched")
+
+
+def test_local_checkpoints_verify_a_sharded_manifest_and_each_of_its_files(
+    tmp_path: Path, sqlite_database_url: str, local_aws: LocalAws
+) -> None:
+    """A sharded job records its checkpoint as ``ckpt-<step>/manifest.json``: the local store
+    checks the manifest against the ledger's sha256 and then every file against the
+    manifest, so one flipped byte in a shard fails the checkpoint a resume would use."""
+    backends = _local_backends(tmp_path, sqlite_database_url, local_aws)
+    directory = tmp_path / "ckpt-000010"
+    directory.mkdir()
+    shards = {"__0_0.distcp": b"shard zero", ".metadata": b"plan"}
+    for name, data in shards.items():
+        (directory / name).write_bytes(data)
+    files = {name: hashlib.sha256(data).hexdigest() for name, data in shards.items()}
+    manifest = json.dumps({"files": files}).encode()
+    (directory / "manifest.json").write_bytes(manifest)
+    uri, sha = str(directory / "manifest.json"), hashlib.sha256(manifest).hexdigest()
+    assert backends.checkpoints.verify(uri, sha) is True
+    (directory / "__0_0.distcp").write_bytes(b"shard zerO")
+    assert backends.checkpoints.verify(uri, sha) is False
+    backends.ledger.close()
+
+
+def test_a_sharded_job_has_no_replay_plan_and_says_why() -> None:
+    """The replay traces a job's steps as a DDP job; a sharded job's guard refuses that, so
+    its plan is refused before any rerun is launched, with the reason the verdict records."""
+    args = ["--world-size", "4", "--parallel", "hsdp", "--shard-size", "2", "--steps", "10"]
+    with pytest.raises(NotReplayable, match="--parallel hsdp: a sharded job is not replayed"):
+        plan_from_harness_args(args)
+    assert plan_from_harness_args(args[:2] + args[-2:]).spec.world_size == 4
 
 
 def test_the_approval_form_needs_a_decision_an_approver_and_a_reason() -> None:
