@@ -10,9 +10,9 @@ layout and refuses the rest, before anything starts (:func:`parallel_problems`):
   becomes ``verified`` only by a passed weight vote across replicas, so only HSDP verifies one;
   its checkpoints are ``ckpt-<step>/manifest.json`` directories, and the resumed job is
   launched with the same ``--parallel`` options and ``--resume-from`` that manifest.
-* **Pure FSDP2** has one copy of each shard: no vote, and no ring audit while
-  :data:`~detection.simulation.parallel.SHARDED_RING_AUDIT` is false — no checkpoint is ever
-  verified, so no incident could resume. Refused until that audit runs.
+* **Pure FSDP2** has one copy of each shard: no vote, and a passed ring audit does not show a
+  stored shard right (every rank gathers the same wrong shard alike) — no checkpoint is ever
+  verified, so no incident could resume. Refused.
 * **The fault** must be one the harness injects into a sharded rank *and* the sharded guard
   names a node for (the fix replaces only named nodes): a NaN or flipped gradient, a flipped
   activation — each rank's own gradient is checked before the reduce-scatter. A weight flip
@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from detection.faults.spec import FaultKind
-from detection.simulation.parallel import PARALLEL_MODES, SHARDED_FAULT_KINDS, SHARDED_RING_AUDIT
+from detection.simulation.parallel import PARALLEL_MODES, SHARDED_FAULT_KINDS
 
 __all__ = [
     "HSDP_SHARD_SIZE",
@@ -93,10 +93,11 @@ def parallel_problems(
         return []
     why = f"--parallel {parallel}"
     problems: list[str] = []
-    if parallel == "fsdp" and not SHARDED_RING_AUDIT:
+    if parallel == "fsdp":
         problems.append(
             f"{why}: no checkpoint is ever verified (one copy of each shard: no weight vote, "
-            "and no ring audit yet), so the incident could not resume; use --parallel hsdp"
+            "and a passed audit does not show a stored shard right), so the incident could "
+            "not resume; use --parallel hsdp"
         )
     if parallel == "hsdp" and (world_size % HSDP_SHARD_SIZE or world_size // HSDP_SHARD_SIZE < 2):
         problems.append(
@@ -106,7 +107,8 @@ def parallel_problems(
         )
     if transient:
         problems.append(
-            f"{why}: --transient needs the ring audit, which a sharded job does not run"
+            f"{why}: --transient upsets an auditor's recomputation (in=recompute), which a "
+            "sharded job's harness does not inject"
         )
     replicas = world_size // HSDP_SHARD_SIZE if parallel == "hsdp" else 1
     named = fault in NAMED_UNDER_SHARDING or (
