@@ -50,6 +50,7 @@ dim are not consecutive) and ``Partial`` (values not yet reduced) are refused wi
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from detection.weights.fingerprint import (
@@ -160,7 +161,7 @@ def _dtensor_runs(t: DTensor) -> tuple[list[torch.Tensor], list[int], list[int]]
                 "place in the unsharded numbering (_StridedShard and Partial do not)"
             )
     local = t.to_local()
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    shape, offset = _local_box(t.shape, t.device_mesh, tuple(t.placements))
     if tuple(local.shape) != tuple(shape):
         raise ShardLayoutError(
             f"local shard of shape {tuple(local.shape)}, but its placement gives {tuple(shape)}"
@@ -168,6 +169,18 @@ def _dtensor_runs(t: DTensor) -> tuple[list[torch.Tensor], list[int], list[int]]
         )
     runs, starts = shard_runs(local.detach(), t.shape, offset)
     return runs, starts, replicated
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_box(
+    shape: torch.Size, mesh: DeviceMesh, placements: tuple[Placement, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's box of a tensor of ``shape`` placed so on ``mesh``: its local shape and its
+    global offset. A function of its (hashable) arguments and of this rank's place in the
+    mesh, which a process never changes: computed once per layout, not on every step (it
+    dispatches a tensor operation and reads a scalar back, a host synchronisation on a GPU)."""
+    local, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    return tuple(local), tuple(offset)
 
 
 def local_parts(
