@@ -38,12 +38,15 @@ def test_the_sharded_guard_s_operations_are_counted_and_held_to_their_count() ->
     of the same layout. It grows with depth, unlike the DDP guard: per parameter and step it
     checks the gradient and the weights for non-finite values tensor by tensor and places each
     shard in the unsharded numbering anew; per FSDP module it sums, norms and fingerprints the
-    reduce-scatter and the all-gather. Held here to today's count (78 a block under FSDP2, 48
-    under HSDP 2x1, whose one-rank shard groups all-gather nothing), so that a change which
-    adds to it shows, and one which fuses it can lower the bound."""
+    reduce-scatter and the all-gather. Under FSDP2 the update replay and custody
+    (``update_replay_every``, on by default there) add 29.5 a block: two fingerprint passes of
+    each shard (after the update, before the next) and, for one slice in eight, the snapshot's
+    copies and the buddy's replay (78 a block without them). Held here to today's count (107.5
+    a block under FSDP2, 48 under HSDP 2x1, whose one-rank shard groups all-gather nothing),
+    so that a change which adds to it shows, and one which fuses it can lower the bound."""
     tables = ops_per_step.table([2, 8], ["fsdp", "hsdp"])
     fsdp, hsdp = tables["fsdp"], tables["hsdp"]
     assert fsdp[0]["period"] == hsdp[0]["period"] == 1  # no checksum rotation: steps alike
-    assert ops_per_step.per_block(fsdp) <= 78.0, fsdp
+    assert ops_per_step.per_block(fsdp) <= 107.5, fsdp
     assert ops_per_step.per_block(hsdp) <= 48.0, hsdp
-    assert 0 < fsdp[0]["added"] <= 1.6 * fsdp[0]["plain"], fsdp
+    assert 0 < fsdp[0]["added"] <= 2.2 * fsdp[0]["plain"], fsdp
