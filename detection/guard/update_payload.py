@@ -33,10 +33,12 @@ from torch import nn
 from detection.weights.fingerprint import fingerprint_on_device
 
 __all__ = [
+    "AMP",
     "REPLAYABLE",
     "Package",
     "Replayed",
     "Snapshot",
+    "amp_of",
     "encode",
     "exchange",
     "fingerprint_one",
@@ -75,20 +77,44 @@ def replay_update(
     """Re-run one parameter's update on plain tensors: ``cls`` with the group's ``options``,
     from the pre-update ``param``, its ``grad`` and its ``state`` — copied first, never
     written, unless ``consume`` (the caller's own fresh copies, updated in place). Returns the
-    updated parameter and state."""
+    updated parameter and state. ``options[AMP]``, when there, holds what a GradScaler set on
+    the owner's optimizer for this step (:func:`amp_of`)."""
 
     def own(t: torch.Tensor) -> torch.Tensor:
         return t.detach() if consume else t.detach().clone()
 
     p = nn.Parameter(own(param))
     p.grad = own(grad)
-    opt = cls([{"params": [p], **options}])
+    group = {k: v for k, v in options.items() if k != AMP}
+    opt = cls([{"params": [p], **group}])
+    for name, value in options.get(AMP, {}).items():
+        setattr(opt, name, value.detach().clone())  # as GradScaler hands a fused optimizer
     opt.state[p] = {
         key: own(value) if isinstance(value, torch.Tensor) else value
         for key, value in state.items()
     }
     opt.step()
     return p.detach(), dict(opt.state[p])
+
+
+#: The options key that carries a GradScaler's ``grad_scale`` and ``found_inf``: a fused
+#: optimizer stepped through ``scaler.step`` reads them from attributes GradScaler sets on it
+#: for that step (it unscales and skips inside the kernel), so its replay needs them too.
+AMP = "__amp__"
+
+
+def amp_of(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The GradScaler attributes set on ``opt`` for the step now running (copied), if any."""
+    found = {name: getattr(opt, name, None) for name in ("grad_scale", "found_inf")}
+    return {k: v.detach().clone() for k, v in found.items() if isinstance(v, torch.Tensor)}
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    return value
 
 
 _ALIGN = 64  # bytes: every piece of a buffer starts aligned, so it is viewed in place
@@ -191,10 +217,7 @@ def encode(snaps: Sequence[Snapshot], buffers: Sequence[torch.Tensor]) -> Packag
             {
                 "index": snap.index,
                 "opt": snap.opt,
-                "options": {
-                    k: v.cpu() if isinstance(v, torch.Tensor) else v
-                    for k, v in snap.options.items()
-                },
+                "options": _moved(snap.options, torch.device("cpu")),
                 "state": snap.state,
                 "buffer": snap.buffer,
                 "pieces": snap.pieces,
@@ -229,10 +252,7 @@ def replay_payload(
         param, grad, *state_tensors = pieces
         values = iter(state_tensors)
         state = {k: next(values) if tensor else v for k, tensor, v in entry["state"]}
-        options = {
-            k: v.to(device) if isinstance(v, torch.Tensor) else v
-            for k, v in entry["options"].items()
-        }
+        options = _moved(entry["options"], device)
         cls = type(optimizers[entry["opt"]])
         new_param, new_state = replay_update(cls, options, param, grad, state, consume=consume)
         keys = sorted(k for k, v in new_state.items() if isinstance(v, torch.Tensor))

@@ -74,10 +74,12 @@ from torch.distributed.tensor import DTensor
 
 from detection.guard.config import GuardConfigError
 from detection.guard.update_payload import (
+    AMP,
     REPLAYABLE,
     Package,
     Replayed,
     Snapshot,
+    amp_of,
     encode,
     fingerprint_one,
     replay_payload,
@@ -243,6 +245,7 @@ class UpdateReplay:
         if not self.replaying:
             return
         due = step % self.every
+        amp = amp_of(opt)
         items = []
         for g in opt.param_groups:
             options: dict[str, Any] | None = None
@@ -252,7 +255,8 @@ class UpdateReplay:
                     continue
                 if _local(p).numel() == 0:
                     continue  # an uneven shard's empty end: nothing to update
-                options = options if options is not None else _options(g)
+                if options is None:
+                    options = {**_options(g), AMP: amp} if amp else _options(g)
                 state = {
                     key: _local(value) if isinstance(value, torch.Tensor) else value
                     for key, value in opt.state.get(p, {}).items()

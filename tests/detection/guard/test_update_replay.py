@@ -23,6 +23,8 @@ from torch.distributed.fsdp import fully_shard
 
 from detection.guard import GuardConfig, GuardConfigError, GuardHaltedError, SDCGuard
 from detection.guard.update_payload import (
+    AMP,
+    amp_of,
     encode,
     fingerprint_one,
     replay_payload,
@@ -79,6 +81,28 @@ def test_the_replay_of_one_parameter_is_bitwise_the_optimizers_update(kind: str)
         _bits(wrong)[0] ^= -(1 << 31)  # the sign bit
         off, _ = replay_update(type(opt), options, before, wrong, state)
         assert not torch.equal(_bits(off), _bits(p))
+
+
+def test_a_fused_update_under_a_grad_scaler_replays_with_its_scale() -> None:
+    """``scaler.step`` hands a fused AdamW its scale and overflow flag as attributes for the
+    step: the replay takes them along (and a scaled gradient replayed without them would
+    differ), and an overflow step is a no-op in both."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(17))
+    opt = torch.optim.AdamW([p], lr=1e-2, eps=0.5, fused=True)  # eps: the scale matters
+    for found in (0.0, 1.0, 0.0):
+        p.grad = torch.randn_like(p) * 1024.0
+        opt.grad_scale = torch.tensor(1024.0)  # type: ignore[attr-defined]
+        opt.found_inf = torch.tensor(found)  # type: ignore[attr-defined]
+        amp = amp_of(opt)
+        options = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        before, grad = p.detach().clone(), p.grad.detach().clone()
+        state = {k: v.clone() for k, v in opt.state[p].items()}
+        opt.step()
+        new, _ = replay_update(type(opt), {**options, AMP: amp}, before, grad, state)
+        assert torch.equal(_bits(new), _bits(p))
+        without, _ = replay_update(type(opt), options, before, grad, state)
+        assert not torch.equal(_bits(without), _bits(p))  # scaled, or stepped over an overflow
 
 
 @pytest.mark.parametrize("kind", ["plain-sgd", "sgd", "adamw"])
@@ -199,6 +223,8 @@ def _run(rank: int, world: int, kind: str, fault: str, target: int) -> dict[str,
         opt.register_step_post_hook(_flip_state_after_step(rank, target))
     elif fault == "write":
         opt.register_step_pre_hook(_write_before_update(rank, target, guard))
+    # a fused optimizer stepped through a GradScaler unscales inside its kernel
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if fault == "scaler" else None
     steps = 0
     for step in range(STEPS):
         if fault == "reload" and step == FAULT_STEP:
@@ -210,8 +236,12 @@ def _run(rank: int, world: int, kind: str, fault: str, target: int) -> dict[str,
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
         try:
             with guard.step(step):
-                guard.backward(_loss(model, (x, y)))
-                opt.step()
+                guard.backward(_loss(model, (x, y)), scaler=scaler)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
                 opt.zero_grad()
         except GuardHaltedError:
             break
@@ -242,6 +272,7 @@ def _scenarios(rank: int, world: int) -> dict[str, dict[str, Any]]:
         "foreach": _run(rank, world, "foreach", "none", 0),
         "fused": _run(rank, world, "fused", "none", 0),
         "reload": _run(rank, world, "adamw", "reload", 0),
+        "scaler": _run(rank, world, "fused", "scaler", 0),
         "flip30": _run(rank, world, "adamw", "flip30", last),
         "flip1": _run(rank, world, "sgd", "flip1", last),
         "write": _run(rank, world, "adamw", "write", last),
@@ -259,7 +290,7 @@ def runs(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, dict[str, 
 def test_clean_runs_replay_every_shard_and_raise_nothing(runs: Any) -> None:
     _, results = runs
     for r in results:
-        for kind in ("sgd", "adamw", "adam", "foreach", "fused", "reload"):
+        for kind in ("sgd", "adamw", "adam", "foreach", "fused", "reload", "scaler"):
             assert r[kind]["alarms"] == [], kind
             assert r[kind]["steps"] == STEPS
             assert r[kind]["replayed_all"], kind  # every shard of its owner, within 2K steps
