@@ -91,6 +91,11 @@ class GuardConfig:
     ``guard.verify_loaded()`` call it, and a loop must close the guard (on every rank) for its
     last step to be decided. Steps under a GradScaler and replay mode decide at once.
     ``stats``: the tuning.
+    ``update_replay_every``: under pure FSDP2 (one copy of each shard), the optimizer update of
+    each shard is re-run bitwise by a peer rank once every ``update_replay_every`` steps, and
+    each rank's shards are fingerprinted between updates (:mod:`detection.guard.update_replay`:
+    the bound, the cost, what it names); ``0``: neither runs. Ignored where a vote already sees
+    a wrong update (DDP, HSDP).
     """
 
     audit_every: int = 0
@@ -107,6 +112,7 @@ class GuardConfig:
     abft_every: int = 8
     defer_decision: bool = False
     stats: StatsConfig = field(default_factory=StatsConfig)
+    update_replay_every: int = 8
 
     def __post_init__(self) -> None:
         if self.audit_every < 0:
@@ -117,6 +123,10 @@ class GuardConfig:
             raise GuardConfigError(f"calibrate must be ≥ 0, got {self.calibrate}")
         if self.abft_every < 1:
             raise GuardConfigError(f"abft_every must be ≥ 1, got {self.abft_every}")
+        if self.update_replay_every < 0:
+            raise GuardConfigError(
+                f"update_replay_every must be ≥ 0, got {self.update_replay_every}"
+            )
         try:
             object.__setattr__(self, "audit_mode", AuditMode(self.audit_mode))
         except ValueError:

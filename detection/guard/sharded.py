@@ -21,16 +21,21 @@ What runs in this first cut, per step, and what does not (never claimed):
   (:mod:`detection.guard.sharded_audit`): on an audited step every rank recomputes its ring
   partner's micro-batch loss through the sharded model, all ranks at once, before the update,
   and the decision compares it bitwise with the partner's; ``calibrate`` as for DDP.
+* **on under pure FSDP2** (``update_replay_every``, 8 by default; off under HSDP, whose vote
+  sees both) — nothing there compares a shard with another copy (the audit does not either:
+  every rank gathers the same wrong shard), so two checks stand in
+  (:mod:`detection.guard.update_replay`): the owner's update re-run bitwise by its buddy rank,
+  every shard once every ``update_replay_every`` steps (names the pair; a third replay names
+  one of them from three ranks on), and each rank's shards fingerprinted between its updates
+  (custody: names the rank). No checkpoint is verified there
+  (:class:`~detection.gate.StepOutcome` ``vote_passed`` is false; a passed audit alone does
+  not verify weights no copy was compared with).
 * **off, said at start** — the gradient audit (``audit_mode='gradient'``), ABFT, the
-  optimizer-state vote, ``skip_update_on_alarm``, ``defer_decision``, fault injection: each
+  optimizer-state vote (under pure FSDP2 ``vote_optimizer_state=True`` puts the state under
+  custody instead), ``skip_update_on_alarm``, ``defer_decision``, fault injection: each
   is refused when asked for explicitly. A reduce-scatter or all-gather of
   one's own (``comm_hook=``, FSDP2's ``ReduceScatter`` / ``AllGather``, or one of each) is
   wrapped, as a DDP comm hook is.
-  Under pure FSDP2 nothing compares a shard with another copy, so a wrong update or a flip in
-  a rank's stored weights is *not* detected (``docs/guide.md``) — the audit does not see it
-  either: every rank gathers the same wrong shard — and no checkpoint is verified there
-  (:class:`~detection.gate.StepOutcome` ``vote_passed`` is false; a passed audit alone does
-  not verify weights no copy was compared with).
 
 Every rank's evidence travels as one int64 row — step, flags, its shard's fingerprint — in one
 all-gather a step, and every rank decides alike from the table.
@@ -70,6 +75,8 @@ from detection.guard.sharded_stats import ShardedStats
 from detection.guard.sharding import ShardedLayout, adopt_sharded, refuse_unsupported, user_comms
 from detection.guard.state import load_state, state_of
 from detection.guard.trace_mode import TraceMode
+from detection.guard.update_referee import referee
+from detection.guard.update_replay import NO_REPLAY_WORDS, UpdateReplay, is_replay_alarm
 from detection.row.gather import all_gather_table
 from detection.transport.alarm import Alarm
 from detection.weights.fingerprint import Fingerprint, fingerprint_on_device, to_fingerprint
@@ -137,7 +144,12 @@ class ShardedGuard:
         self._current: _Step | None = None
         # built with step_checks off too (it then learns nothing): its state is the guard's
         self.stats = ShardedStats(self.world_size, self.config.stats, self.nodes)
-        self.decision = ShardedDecision(self.layout.replicas, self.nodes, self.layout.gatherers)
+        self.decision = ShardedDecision(
+            self.layout.replicas,
+            self.nodes,
+            self.layout.gatherers,
+            names=[name for name, _ in self.module.named_parameters()],
+        )
         self.audit: ShardedAudit | None = None
         if self.config.audit_every > 0 and self.world_size > 1 and loss_fn is not None:
             self.audit = ShardedAudit(
@@ -151,6 +163,26 @@ class ShardedGuard:
                 rank=self.rank,
                 device=self.device,
                 extra={"job": job_id, "rank": self.rank, "node": self.node},
+            )
+        self.replay = (
+            UpdateReplay(
+                self.params,
+                self.optimizers,
+                self.config.update_replay_every,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=self.device,
+                group=self.group,
+                state_custody=self.config.vote_optimizer_state,
+            )
+            if self.config.update_replay_every > 0 and self.layout.replicas.replicas == 1
+            else None
+        )
+        if self.config.vote_optimizer_state and self.replay is None:
+            raise GuardConfigError(
+                "vote_optimizer_state=True on a sharded model puts the optimizer state under "
+                "the update replay's custody: pure FSDP2 with update_replay_every > 0 only "
+                "(docs/guide.md, 'Sharded models')"
             )
         inner_rs, inner_ag = user_comms(comm_hook) or (None, None)
         self.reduce_scatter = CheckedReduceScatter(self.device, inner=inner_rs)
@@ -182,14 +214,29 @@ class ShardedGuard:
         elif replicas == 2:
             vote = "weight vote across 2 replicas of each shard (detects, cannot name)"
         else:
-            vote = "no weight vote (one copy of each shard: a wrong update is not detected)"
+            vote = "no weight vote (one copy of each shard)"
+        if self.replay is None:
+            replay = (
+                ""
+                if replicas >= 2
+                else ", update replay and custody off: a wrong update or a "
+                "flipped stored weight is not detected"
+            )
+        elif self.replay.replaying:
+            replay = (
+                f", update replay by the next rank (every shard once every {self.replay.every} "
+                "steps: names owner and buddy), custody of each rank's shards between updates "
+                "(names the rank)"
+            )
+        else:
+            replay = ", custody of the shards between updates (one rank: no update replay)"
         audit = f", {self.audit.describe()}" if self.audit is not None else ""
         off = "gradient audit" if self.audit is not None else "ring audit"
         return (
             "on: non-finite gradients before and after the reduce-scatter, its algebra, the "
             "all-gather's views compared, "
             "per-step gradient statistics (step_checks), "
-            f"non-finite weights, fingerprint, {vote}{audit}; off: {off}, ABFT, "
+            f"non-finite weights, fingerprint, {vote}{replay}{audit}; off: {off}, ABFT, "
             "optimizer-state vote"
         )
 
@@ -232,6 +279,8 @@ class ShardedGuard:
         if self.audit is not None:
             self.audit.begin_step(step)
         seed_rng(step_seed(self.config.seed, step, self.rank), self.device)
+        if self.replay is not None:
+            self.replay.begin_step()
         try:
             yield
             self._finish(self._current)
@@ -297,6 +346,8 @@ class ShardedGuard:
         one copy) holds the recorded fingerprint (collective; raises
         :class:`LoadVerificationError` on every rank, naming the ranks of a wrong replica)."""
         want = Fingerprint.from_hex(expected) if isinstance(expected, str) else expected
+        if self.replay is not None:
+            self.replay.forget()  # the weights were written on purpose
         table = all_gather_table(self._part(), self.group).tolist()
         found = self.layout.replicas.per_rank([to_fingerprint(a, b) for a, b in table])
         if any(fp != want for fp in found.values()):
@@ -335,9 +386,13 @@ class ShardedGuard:
                 f"optimizer.step() after {current.micro} of {self.micro_batches} backward "
                 "calls: step the optimizer once, after the step's last guard.backward()"
             )
+        if self.replay is not None:
+            self.replay.before(opt, current.step)
 
     def _after_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
         self._require_step("optimizer.step()").stepped.add(id(opt))
+        if self.replay is not None:
+            self.replay.after(opt)
 
     def _finish(self, current: _Step) -> None:
         if current.micro < self.micro_batches or current.loss is None:
@@ -362,6 +417,12 @@ class ShardedGuard:
                 *(self.audit.words() if self.audit is not None else [zero, zero]),
             ]
         )
+        replayed = (
+            self.replay.exchange()
+            if self.replay is not None
+            else torch.tensor(NO_REPLAY_WORDS, dtype=torch.int64, device=self.device)
+        )
+        row = torch.cat([row, replayed])
         row = torch.cat([row, self._statistics(current).view(torch.int64)])
         table = all_gather_table(row, self.group).tolist()
         rows = [Row.read(r[:ROW_WORDS]) for r in table]
@@ -371,6 +432,10 @@ class ShardedGuard:
                 "same step number to guard.step()"
             )
         outcome = self.decision.decide(current.step, rows)
+        if self.replay is not None and is_replay_alarm(outcome.alarm):
+            assert outcome.alarm is not None
+            settled = referee(self.replay, [r.replay for r in rows], outcome.alarm, self.nodes)
+            outcome = dataclasses.replace(outcome, alarm=settled)
         if self.audit is not None:
             outcome = self.audit.decide(rows, outcome, replicas_apart(self.decision))
         if outcome.alarm is None and self.config.step_checks:

@@ -26,6 +26,12 @@ below). At most one alarm a step, the first that applies:
 5. **A replica split** (HSDP): a replicate group's copies of its shard disagree
    (:mod:`detection.weights.replicas`) — three or more copies name the divergent ranks, two
    say that they differ. A split seen before is a consequence; a new one is raised.
+6. **The update replay** (pure FSDP2, :mod:`detection.guard.update_replay`): a buddy's bitwise
+   replay of its owner's update differs — the pair is named, owner and buddy.
+
+Before all of these, **custody** (pure FSDP2): a rank's own shards changed between two updates
+with nobody writing them — that rank is named; it comes first because everything the step
+computed from the changed weights (a non-finite gradient on every rank) is its consequence.
 
 ``vote_passed`` — the checkpoint gate's evidence — is true only where there was a vote
 (two or more replicas) and it passed: pure FSDP2 never verifies a checkpoint by vote.
@@ -39,6 +45,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from detection.gate import StepOutcome
+from detection.guard.update_replay import (
+    NO_REPLAY,
+    REPLAY_WORDS,
+    ReplayRow,
+    custody_alarm,
+    replay_alarm,
+)
 from detection.transport.alarm import Alarm, Layer, Phase
 from detection.weights.fingerprint import Fingerprint, to_fingerprint
 from detection.weights.replicas import ReplicaGroups, replica_vote
@@ -47,7 +60,7 @@ from detection.weights.vote import KnownDivergence
 __all__ = ["ROW_WORDS", "Row", "ShardedDecision", "word_float"]
 
 #: The words of :class:`Row`; a guard's row carries the per-step statistics after them.
-ROW_WORDS = 16
+ROW_WORDS = 16 + REPLAY_WORDS
 
 
 def word_float(word: int) -> float:
@@ -101,6 +114,7 @@ class Row:
     part: Fingerprint
     audited_loss: int = 0  # the ring audit (detection.guard.sharded_audit): own loss bits
     replayed_loss: int = 0  # and its partner's loss recomputed here (0 when not audited)
+    replay: ReplayRow = NO_REPLAY  # custody and the update replay (the last words)
 
     @classmethod
     def read(cls, words: Sequence[int]) -> Row:
@@ -124,6 +138,7 @@ class Row:
             part=to_fingerprint(a, b),
             audited_loss=audited,
             replayed_loss=replayed,
+            replay=ReplayRow.read(words[16:ROW_WORDS]),
         )
 
 
@@ -132,9 +147,14 @@ class ShardedDecision:
     poisoned model, a split already alarmed) so that consequences are not new events."""
 
     def __init__(
-        self, replicas: ReplicaGroups, nodes: Sequence[str], gatherers: ReplicaGroups | None = None
+        self,
+        replicas: ReplicaGroups,
+        nodes: Sequence[str],
+        gatherers: ReplicaGroups | None = None,
+        names: Sequence[str] = (),
     ) -> None:
         self.replicas = replicas
+        self.names = tuple(names)  # the parameters' names, for the replay's detail
         self.gatherers = gatherers
         self.nodes = tuple(nodes)
         self.poisoned = False  # weights known non-finite, after an alarm said why
@@ -144,11 +164,14 @@ class ShardedDecision:
         parts = [r.part for r in rows]
         whole = self.replicas.whole(parts)
         verdict = replica_vote(parts, self.replicas)
+        replay = [r.replay for r in rows]
         alarm = (
-            self._nonfinite(step, rows)
+            custody_alarm(step, replay, self.nodes)
+            or self._nonfinite(step, rows)
             or _algebra(step, rows)
             or self._gathered(step, rows)
             or self._split(step, parts)
+            or replay_alarm(step, replay, self.nodes, self.names)
         )
         finite = not any(r.weights_nonfinite for r in rows)
         if finite:

@@ -152,7 +152,6 @@ def refuse_unsupported(config: GuardConfig, comm_hook: Any) -> None:
     """What a sharded model's guard does not run, refused when asked for (never ignored)."""
     refused = {
         "abft=True": config.abft is True,
-        "vote_optimizer_state=True": config.vote_optimizer_state,
         "skip_update_on_alarm=True": config.skip_update_on_alarm,
         "defer_decision=True": config.defer_decision,
         "inject (fault injection)": bool(config.inject),
