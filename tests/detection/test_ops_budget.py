@@ -38,13 +38,17 @@ def test_the_sharded_guard_s_operations_are_counted_and_held_to_their_count() ->
     of the same layout. Its non-finite checks of the gradients and the weights are one
     multi-tensor max each, whatever the depth, and each shard's place in the unsharded
     numbering is computed once per layout, so under HSDP 2x1 (whose one-rank shard groups
-    reduce-scatter and all-gather nothing) it does not grow with depth at all; under FSDP2 it
-    grows by what each FSDP module's checked reduce-scatter and all-gather add (sums, norms,
-    the gathered view) and the fingerprint of its shards: 30 a block (78 before the fused
-    non-finite check)."""
+    reduce-scatter and all-gather nothing, and whose vote needs no update replay) it does not
+    grow with depth at all. Under FSDP2 it grows by what each FSDP module's checked
+    reduce-scatter and all-gather add (sums, norms, the gathered view, 30 a block), and by the
+    update replay and custody (``update_replay_every``, on by default there: two more
+    fingerprint passes of each shard, after the update and before the next, and for one slice
+    in eight the snapshot's copies and the buddy's replay, 29.5 a block). Held to today's
+    count (59.5 a block; 78 before the fused non-finite check, without the replay), so that a
+    change which adds to it shows, and one which fuses it can lower the bound."""
     tables = ops_per_step.table([2, 8], ["fsdp", "hsdp"])
     fsdp, hsdp = tables["fsdp"], tables["hsdp"]
     assert fsdp[0]["period"] == hsdp[0]["period"] == 1  # no checksum rotation: steps alike
-    assert ops_per_step.per_block(fsdp) <= 30.0, fsdp
+    assert ops_per_step.per_block(fsdp) <= 59.5, fsdp
     assert ops_per_step.per_block(hsdp) <= 0.0, hsdp
-    assert 0 < fsdp[0]["added"] <= 1.6 * fsdp[0]["plain"], fsdp
+    assert 0 < fsdp[0]["added"] <= 1.5 * fsdp[0]["plain"], fsdp
