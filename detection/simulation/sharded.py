@@ -18,7 +18,13 @@ makes the rank suffer the spec, at the points the spec names, through the same
   them (installed only on a step the fault strikes, removed when the step ends) rewrites the
   gradient before it is accumulated. Elements are numbered over the unsharded parameters,
   as for DDP.
-* ``act-flip`` — the target module's output in the rank's forward (unchanged from DDP).
+* ``act-flip`` — the target module's output in the rank's own forward: the step's first
+  forward of the root (the harness runs one micro-batch a step). The root's later forwards in
+  the step are the guard's replays of a micro-batch (the audit's of its partner's, the
+  calibration's of its own): recomputations, which a transient fault does not strike and a
+  node's persistent fault does, as under DDP. Without this mark, the flip meant for the rank's
+  own step would strike its replay of its partner too, and the audit would see two pairs
+  disagree where one upset made one.
 * ``weight-flip`` — after ``optimizer.step``, an element of the shards this rank holds.
 
 *Checkpoints* (:func:`write_checkpoint`, :func:`load_checkpoint`). Every rank writes its
@@ -38,6 +44,7 @@ step instead, or this rank's own part when none was decided.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Sequence
@@ -127,8 +134,29 @@ class ShardedFaults:
         self.injector.bind(model)  # act-flip's forward hook; elements over unsharded numels
         self._handles: list[Any] = [optimizer.register_step_post_hook(self._after_optimizer_step)]
         self._grad_hooks: list[Any] = []
+        # Root forwards started in the open step: the first is the rank's own, the rest replays.
+        self._forwards = 0
+        self._recomputation: contextlib.AbstractContextManager[None] | None = None
+        self._handles += [
+            model.register_forward_pre_hook(self._before_root_forward),
+            model.register_forward_hook(self._after_root_forward, always_call=True),
+        ]
         if any(s.kind in _GRADIENT_KINDS for s in specs):
             self._install_gradient_points(model)
+
+    def _before_root_forward(self, _module: nn.Module, _args: Any) -> None:
+        self._forwards += 1
+        if self._forwards > 1 and self._recomputation is None:
+            self._recomputation = self.injector.recomputing()
+            self._recomputation.__enter__()
+
+    def _after_root_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self._leave_recomputation()
+
+    def _leave_recomputation(self) -> None:
+        if self._recomputation is not None:
+            recomputation, self._recomputation = self._recomputation, None
+            recomputation.__exit__(None, None, None)
 
     def _install_gradient_points(self, model: nn.Module) -> None:
         """A forward pre-hook on each module that owns parameters: on a step a gradient
@@ -165,8 +193,10 @@ class ShardedFaults:
 
     def begin_step(self, step: int) -> None:
         self.injector.begin_step(step)
+        self._forwards = 0
 
     def end_step(self) -> None:
+        self._leave_recomputation()
         self.injector.end_step()
         for handle in self._grad_hooks:
             handle.remove()
