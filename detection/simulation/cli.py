@@ -15,8 +15,7 @@ from typing import Any
 from detection.simulation.config import HarnessConfigError, HarnessError, TrainConfig
 from detection.simulation.launch import run
 from detection.simulation.parallel import audit_every_of, mesh_shape
-from detection.simulation.rank import TERMINATED
-from detection.simulation.termination import Terminated, unwind_on_sigterm
+from detection.simulation.termination import TERMINATED, Terminated, unwind_on_sigterm
 from detection.simulation.train_args import parse_config
 
 __all__ = ["main"]

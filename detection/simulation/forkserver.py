@@ -20,7 +20,13 @@ __all__ = ["PRELOAD", "start_early"]
 
 # Imported once in the fork server rather than once per rank: DDP's constructor pulls in
 # torch._dynamo (about a second of CPU per process).
-PRELOAD = ["torch", "torch._dynamo", "torch.nn.parallel", "detection.guard.sdcguard"]
+PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.nn.parallel",
+    "detection.guard.sdcguard",
+    "detection.simulation.rank",
+]
 
 
 def start_early(argv: Sequence[str]) -> None:

@@ -4,9 +4,11 @@
 which train the built-in model (:mod:`detection.simulation.model`), and returns the DESIGN report.
 
 Processes: ranks are forked from a ``forkserver`` that has torch preloaded (fast start, no
-fork of a threaded parent; started before the launcher imports torch, so the two imports
-overlap: :mod:`detection.simulation.forkserver`), rendezvous through a TCPStore the launcher
-owns (its port is picked by the kernel, so parallel jobs never race for one). SIGTERM to the
+fork of a threaded parent: :mod:`detection.simulation.forkserver`); the launcher imports no
+torch at all (a second import, seconds of CPU, on every start of a job, a replay or a resumed
+run). The ranks rendezvous through a TCPStore rank 0 serves, on a port the kernel picks (so
+parallel jobs never race for one), which rank 0 hands to the others through a queue the
+launcher made. SIGTERM to the
 launcher's process group ends every rank (the step in progress unwinds; rank 0 still reports,
 as of its last complete step: :mod:`detection.simulation.termination`); the launcher then reaps
 them and exits 143.
@@ -21,15 +23,11 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from detection.simulation.config import SECRET_ENV, RankFailedError, TrainConfig
 from detection.simulation.forkserver import PRELOAD
-from detection.simulation.rank import rank_entry
 from detection.simulation.termination import run_pending_handlers
 
 __all__ = ["run"]
@@ -45,9 +43,7 @@ def run(config: TrainConfig) -> dict[str, Any]:
     config.validate()
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False
-    )
+    ports = ctx.Queue()  # rank 0 puts the port of the store it serves, once for each peer
     # Ranks fork from a server started earlier, with the environment of that moment: hand the
     # webhook secret over explicitly.
     secret = os.environ.get(SECRET_ENV) if config.webhook is not None else None
@@ -56,11 +52,11 @@ def run(config: TrainConfig) -> dict[str, Any]:
         errors = Path(scratch)
         procs = [
             ctx.Process(
-                target=rank_entry,
+                target=_rank_main,
                 args=(
                     rank,
                     config,
-                    store.port,
+                    ports,
                     str(result_path),
                     str(errors / f"rank-{rank}.err"),
                     secret,
@@ -77,6 +73,14 @@ def run(config: TrainConfig) -> dict[str, Any]:
             _stop_all(procs)
         report: dict[str, Any] = json.loads(result_path.read_text())
     return report  # rank 0 wrote it to config.report already
+
+
+def _rank_main(*args: Any) -> None:
+    """A rank's body, imported in the rank (the fork server has it preloaded), so that the
+    launcher never imports torch."""
+    from detection.simulation.rank import rank_entry
+
+    rank_entry(*args)
 
 
 def _wait_all(procs: Sequence[Any], errors: Path) -> None:

@@ -64,7 +64,7 @@ from detection.simulation.sharded import (
     shard_model,
     write_checkpoint,
 )
-from detection.simulation.termination import StopRequest, Terminated
+from detection.simulation.termination import TERMINATED, StopRequest, Terminated
 from detection.weights.fingerprint import weight_fingerprint
 from detection.weights.load_check import verify_after_load
 from detection.weights.state import model_state_tensors
@@ -72,7 +72,6 @@ from detection.weights.state import model_state_tensors
 __all__ = ["TERMINATED", "guard_config_of", "rank_entry", "train"]
 
 _log = logging.getLogger(__name__)
-TERMINATED = 128 + signal.SIGTERM
 _RANK_STOP = StopRequest()  # a rank is a process of its own: one stop request per process
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -97,10 +96,20 @@ def guard_config_of(config: TrainConfig) -> GuardConfig:
 
 
 def rank_entry(
-    rank: int, config: TrainConfig, port: int, result_path: str, error_path: str, secret: str | None
+    rank: int,
+    config: TrainConfig,
+    ports: Any,
+    result_path: str,
+    error_path: str,
+    secret: str | None,
 ) -> None:
     """Body of a rank process: exits 0, 143 on SIGTERM, 1 on any error (written for the
-    launcher to quote)."""
+    launcher to quote).
+
+    Rank 0 serves the job's rendezvous store, on a port the kernel picks (no race for a free
+    port), and hands the port to the other ranks through ``ports`` (a queue the launcher
+    made): the launcher itself then needs no torch, a second import of it on every start of a
+    job, a replay or a resumed run."""
     signal.signal(signal.SIGTERM, _RANK_STOP.on_sigterm)
     logging.basicConfig(
         level=logging.WARNING,
@@ -111,9 +120,7 @@ def rank_entry(
     torch.set_num_threads(config.threads)
     code = 0
     try:
-        store = dist.TCPStore(
-            "127.0.0.1", port, config.world_size, False, timeout=timedelta(seconds=60)
-        )
+        store = _rendezvous(rank, config.world_size, ports)
         dist.init_process_group(
             "gloo",
             store=store,
@@ -143,6 +150,21 @@ def rank_entry(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _rendezvous(rank: int, world_size: int, ports: Any) -> dist.TCPStore:
+    """The job's store: served by rank 0, joined by the others once rank 0 has said where.
+    A rank waits a bounded time for the port (the launcher stops every rank when one fails)."""
+    timeout = timedelta(seconds=60)
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, True, timeout=timeout, wait_for_workers=False
+        )
+        for _ in range(world_size - 1):
+            ports.put(store.port)
+        return store
+    port = ports.get(timeout=timeout.total_seconds())
+    return dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
 
 
 @dataclass

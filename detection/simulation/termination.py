@@ -30,7 +30,10 @@ import signal
 import sys
 from types import FrameType
 
-__all__ = ["StopRequest", "Terminated", "run_pending_handlers", "unwind_on_sigterm"]
+__all__ = ["TERMINATED", "StopRequest", "Terminated", "run_pending_handlers", "unwind_on_sigterm"]
+
+#: The exit status of a rank, or of the launcher, stopped by SIGTERM (as a shell reports it).
+TERMINATED = 128 + signal.SIGTERM
 
 _check_signals = ctypes.pythonapi.PyErr_CheckSignals
 _check_signals.argtypes = []

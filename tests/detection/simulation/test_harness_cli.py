@@ -263,3 +263,23 @@ def test_sigterm_to_the_process_group_stops_every_rank(tmp_path: Path) -> None:
     assert stopped["stopped_after_step"] == last["step"]
     assert stopped["final_fingerprint"] == last["weight_fingerprint"]
     assert stopped["steps"] == 100000
+
+
+def test_the_launcher_trains_a_job_without_importing_torch(tmp_path: Path) -> None:
+    """Only the ranks import torch (from the fork server, once a job): the launcher's process
+    ends a whole job with no ``torch`` module loaded, and the ranks rendezvous all the same."""
+    script = (
+        "import json, sys\n"
+        "from detection.harness import TrainConfig, run\n"
+        "report = run(TrainConfig(world_size=2, steps=2, audit_every=1))\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'alarms': report['alarms']}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torch": False, "alarms": []}
