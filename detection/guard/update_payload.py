@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from detection.weights.fingerprint import fingerprint_on_device
+from detection.weights.fingerprint_each import fingerprints_each
 
 __all__ = [
     "AMP",
@@ -240,7 +241,8 @@ def replay_payload(
     same optimizer of this rank's list (every rank builds the same list). The pieces are read
     in place from the buffers: with ``consume`` (buffers received for this replay alone) they
     are updated in place, else copied first."""
-    out: list[Replayed] = []
+    replayed: list[tuple[dict[str, Any], int, list[str]]] = []
+    wrote: list[torch.Tensor] = []  # each replayed parameter, then its state tensors by key
     for entry in package.header:
         buffer = package.buffers[entry["buffer"]]
         pieces = [
@@ -256,13 +258,25 @@ def replay_payload(
         cls = type(optimizers[entry["opt"]])
         new_param, new_state = replay_update(cls, options, param, grad, state, consume=consume)
         keys = sorted(k for k, v in new_state.items() if isinstance(v, torch.Tensor))
-        mine = torch.stack(
-            [fingerprint_one(new_param)] + [fingerprint_one(new_state[k]) for k in keys]
-        )
-        post = torch.tensor(entry["post"], dtype=torch.int64, device=mine.device).reshape(-1, 2)
-        out.append(
-            Replayed(entry["index"], new_param.numel(), mine, post, keys == entry["post_keys"])
-        )
+        replayed.append((entry, new_param.numel(), keys))
+        wrote += [new_param, *(new_state[k] for k in keys)]
+    if not replayed:
+        return []
+    # one multi-tensor pass over everything the replays wrote, and one copy of the owner's
+    rows = fingerprints_each(wrote, device)
+    posts = torch.tensor(
+        [pair for entry, _, _ in replayed for pair in entry["post"]],
+        dtype=torch.int64,
+        device=device,
+    ).reshape(-1, 2)
+    out: list[Replayed] = []
+    at = theirs = 0
+    for entry, elements, keys in replayed:
+        mine = rows[at : at + 1 + len(keys)]
+        post = posts[theirs : theirs + len(entry["post"])]
+        out.append(Replayed(entry["index"], elements, mine, post, keys == entry["post_keys"]))
+        at += 1 + len(keys)
+        theirs += len(entry["post"])
     return out
 
 
