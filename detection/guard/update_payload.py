@@ -172,30 +172,26 @@ def take_snapshots(
         return [], None
     out = torch.empty(at, dtype=torch.uint8, device=device)
     views = [p for s in snaps for p in s.pieces]
+    places, sources = [], []
     for (offset, _, _), t in zip(views, tensors, strict=True):
         n = t.numel() * t.element_size()
-        out[offset : offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        places.append(out[offset : offset + n])
+        sources.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    torch._foreach_copy_(places, sources)  # one multi-tensor copy, not one a piece
     return snaps, out
 
 
 @dataclass(frozen=True)
 class Replayed:
     """One parameter's replay: its fingerprints (parameter, then state tensors by key) against
-    the owner's."""
+    the owner's, and whether they differ (compared for the whole package at once)."""
 
     index: int
     elements: int
     mine: torch.Tensor
     post: torch.Tensor
-    same_keys: bool
-
-    @property
-    def param_differs(self) -> bool:
-        return not torch.equal(self.mine[0], self.post[0])
-
-    @property
-    def state_differs(self) -> bool:
-        return not self.same_keys or not torch.equal(self.mine[1:], self.post[1:])
+    param_differs: bool
+    state_differs: bool  # a state tensor's fingerprint, or the state's keys
 
 
 @dataclass
@@ -269,14 +265,23 @@ def replay_payload(
         dtype=torch.int64,
         device=device,
     ).reshape(-1, 2)
+    # one comparison and one read back for the package, when every replay wrote the tensors
+    # the owner's did (else each its own: its state's keys differ anyway)
+    aligned = all(keys == entry["post_keys"] for entry, _, keys in replayed)
+    differ = (rows != posts).any(dim=1).tolist() if aligned else []
     out: list[Replayed] = []
     at = theirs = 0
     for entry, elements, keys in replayed:
-        mine = rows[at : at + 1 + len(keys)]
-        post = posts[theirs : theirs + len(entry["post"])]
-        out.append(Replayed(entry["index"], elements, mine, post, keys == entry["post_keys"]))
-        at += 1 + len(keys)
-        theirs += len(entry["post"])
+        n, m = 1 + len(keys), len(entry["post"])
+        mine, post = rows[at : at + n], posts[theirs : theirs + m]
+        if aligned:
+            param_bad, state_bad = differ[at], any(differ[at + 1 : at + n])
+        else:
+            param_bad = not torch.equal(mine[0], post[0])
+            state_bad = keys != entry["post_keys"] or not torch.equal(mine[1:], post[1:])
+        out.append(Replayed(entry["index"], elements, mine, post, param_bad, state_bad))
+        at += n
+        theirs += m
     return out
 
 
