@@ -49,16 +49,16 @@ two fingerprint passes over the local shard (``2·n·b`` read; with the state, t
 with momentum, 3 for Adam/AdamW), of which the record after the update is also the step's row
 fingerprint: its words are numbered at their unsharded positions, and when the optimizers hold
 every parameter exactly once the records add up to the row's part, so the guard takes no third
-pass (:mod:`detection.guard.shard_positions`); the replay, a copy of ``1/K`` of the shard, its gradient and
-its state on the owner, into one buffer (SGD with momentum ``3·n·b/K``, Adam/AdamW
+pass (:mod:`detection.guard.shard_positions`); the replay, a copy of ``1/K`` of the shard, its
+gradient and its state on the owner, into one buffer (SGD with momentum ``3·n·b/K``, Adam/AdamW
 ``4·n·b/K``; kept until the next step begins, for a third replay), the same bytes sent to the
-buddy as they are (one point-to-point exchange around the ring, after a header of a few
-hundred bytes a parameter), and on the buddy the same bytes received and replayed in place:
-``1/K`` of an update and the fingerprints of its result. What an update wrote is fingerprinted
-tensor by tensor, owner and buddy alike, in one multi-tensor pass a side
-(:mod:`detection.weights.fingerprint_each`: a few operations, not a few a tensor). A parameter larger than ``n/K`` makes its
-slice that much heavier. ``benchmarks/update_replay_cost.py`` measures the parts against the
-update.
+buddy as they are (one point-to-point exchange around the ring, after a header of a few hundred
+bytes a parameter), and on the buddy the same bytes received and replayed in place: ``1/K`` of
+an update and the fingerprints of its result. What an update wrote is fingerprinted tensor by
+tensor, owner and buddy alike, in one multi-tensor pass a side
+(:mod:`detection.weights.fingerprint_each`: a few operations, not a few a tensor). A parameter
+larger than ``n/K`` makes its slice that much heavier. ``benchmarks/update_replay_cost.py``
+measures the parts against the update.
 
 Runs under pure FSDP2 only. Under HSDP each shard's replicas are voted on every step, which
 sees a wrong update and a flipped weight on one replica; DDP likewise. With one rank there is
