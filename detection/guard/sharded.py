@@ -400,7 +400,9 @@ class ShardedGuard:
                 f"step {current.step} ran {current.micro} of {self.micro_batches} backward "
                 "calls through guard.backward()"
             )
-        mine = self._part()
+        # under pure FSDP2, custody's record after the update is the row's part (no pass)
+        recorded = self.replay.row_part() if self.replay is not None else None
+        mine = recorded if recorded is not None else self._part()
         zero = torch.zeros((), dtype=torch.int64, device=self.device)
         row = torch.stack(
             [

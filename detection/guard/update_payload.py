@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from detection.weights.fingerprint import fingerprint_on_device
+from detection.weights.fingerprint_each import fingerprints_each
 
 __all__ = [
     "AMP",
@@ -171,30 +172,26 @@ def take_snapshots(
         return [], None
     out = torch.empty(at, dtype=torch.uint8, device=device)
     views = [p for s in snaps for p in s.pieces]
+    places, sources = [], []
     for (offset, _, _), t in zip(views, tensors, strict=True):
         n = t.numel() * t.element_size()
-        out[offset : offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        places.append(out[offset : offset + n])
+        sources.append(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    torch._foreach_copy_(places, sources)  # one multi-tensor copy, not one a piece
     return snaps, out
 
 
 @dataclass(frozen=True)
 class Replayed:
     """One parameter's replay: its fingerprints (parameter, then state tensors by key) against
-    the owner's."""
+    the owner's, and whether they differ (compared for the whole package at once)."""
 
     index: int
     elements: int
     mine: torch.Tensor
     post: torch.Tensor
-    same_keys: bool
-
-    @property
-    def param_differs(self) -> bool:
-        return not torch.equal(self.mine[0], self.post[0])
-
-    @property
-    def state_differs(self) -> bool:
-        return not self.same_keys or not torch.equal(self.mine[1:], self.post[1:])
+    param_differs: bool
+    state_differs: bool  # a state tensor's fingerprint, or the state's keys
 
 
 @dataclass
@@ -240,7 +237,8 @@ def replay_payload(
     same optimizer of this rank's list (every rank builds the same list). The pieces are read
     in place from the buffers: with ``consume`` (buffers received for this replay alone) they
     are updated in place, else copied first."""
-    out: list[Replayed] = []
+    replayed: list[tuple[dict[str, Any], int, list[str]]] = []
+    wrote: list[torch.Tensor] = []  # each replayed parameter, then its state tensors by key
     for entry in package.header:
         buffer = package.buffers[entry["buffer"]]
         pieces = [
@@ -256,13 +254,34 @@ def replay_payload(
         cls = type(optimizers[entry["opt"]])
         new_param, new_state = replay_update(cls, options, param, grad, state, consume=consume)
         keys = sorted(k for k, v in new_state.items() if isinstance(v, torch.Tensor))
-        mine = torch.stack(
-            [fingerprint_one(new_param)] + [fingerprint_one(new_state[k]) for k in keys]
-        )
-        post = torch.tensor(entry["post"], dtype=torch.int64, device=mine.device).reshape(-1, 2)
-        out.append(
-            Replayed(entry["index"], new_param.numel(), mine, post, keys == entry["post_keys"])
-        )
+        replayed.append((entry, new_param.numel(), keys))
+        wrote += [new_param, *(new_state[k] for k in keys)]
+    if not replayed:
+        return []
+    # one multi-tensor pass over everything the replays wrote, and one copy of the owner's
+    rows = fingerprints_each(wrote, device)
+    posts = torch.tensor(
+        [pair for entry, _, _ in replayed for pair in entry["post"]],
+        dtype=torch.int64,
+        device=device,
+    ).reshape(-1, 2)
+    # one comparison and one read back for the package, when every replay wrote the tensors
+    # the owner's did (else each its own: its state's keys differ anyway)
+    aligned = all(keys == entry["post_keys"] for entry, _, keys in replayed)
+    differ = (rows != posts).any(dim=1).tolist() if aligned else []
+    out: list[Replayed] = []
+    at = theirs = 0
+    for entry, elements, keys in replayed:
+        n, m = 1 + len(keys), len(entry["post"])
+        mine, post = rows[at : at + n], posts[theirs : theirs + m]
+        if aligned:
+            param_bad, state_bad = differ[at], any(differ[at + 1 : at + n])
+        else:
+            param_bad = not torch.equal(mine[0], post[0])
+            state_bad = keys != entry["post_keys"] or not torch.equal(mine[1:], post[1:])
+        out.append(Replayed(entry["index"], elements, mine, post, param_bad, state_bad))
+        at += n
+        theirs += m
     return out
 
 

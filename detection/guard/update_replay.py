@@ -46,14 +46,19 @@ call ``guard.verify_loaded()``, which restarts custody.
 
 **Cost per step** (``n``: the rank's local shard elements, ``b``: bytes an element): custody,
 two fingerprint passes over the local shard (``2·n·b`` read; with the state, times 2 for SGD
-with momentum, 3 for Adam/AdamW); the replay, a copy of ``1/K`` of the shard, its gradient and
-its state on the owner, into one buffer (SGD with momentum ``3·n·b/K``, Adam/AdamW
+with momentum, 3 for Adam/AdamW), of which the record after the update is also the step's row
+fingerprint: its words are numbered at their unsharded positions, and when the optimizers hold
+every parameter exactly once the records add up to the row's part, so the guard takes no third
+pass (:mod:`detection.guard.shard_positions`); the replay, a copy of ``1/K`` of the shard, its
+gradient and its state on the owner, into one buffer (SGD with momentum ``3·n·b/K``, Adam/AdamW
 ``4·n·b/K``; kept until the next step begins, for a third replay), the same bytes sent to the
-buddy as they are (one point-to-point exchange around the ring, after a header of a few
-hundred bytes a parameter), and on the buddy the same bytes received and replayed in place:
-``1/K`` of an update and a fingerprint of its result. A parameter larger than ``n/K`` makes its
-slice that much heavier. ``benchmarks/update_replay_cost.py`` measures the parts against the
-update.
+buddy as they are (one point-to-point exchange around the ring, after a header of a few hundred
+bytes a parameter), and on the buddy the same bytes received and replayed in place: ``1/K`` of
+an update and the fingerprints of its result. What an update wrote is fingerprinted tensor by
+tensor, owner and buddy alike, in one multi-tensor pass a side
+(:mod:`detection.weights.fingerprint_each`: a few operations, not a few a tensor). A parameter
+larger than ``n/K`` makes its slice that much heavier. ``benchmarks/update_replay_cost.py``
+measures the parts against the update.
 
 Runs under pure FSDP2 only. Under HSDP each shard's replicas are voted on every step, which
 sees a wrong update and a flipped weight on one replica; DDP likewise. With one rank there is
@@ -73,6 +78,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from detection.guard.config import GuardConfigError
+from detection.guard.shard_positions import UnshardedPositions
 from detection.guard.update_payload import (
     AMP,
     REPLAYABLE,
@@ -81,13 +87,13 @@ from detection.guard.update_payload import (
     Snapshot,
     amp_of,
     encode,
-    fingerprint_one,
     replay_payload,
     ship,
     take_snapshots,
 )
 from detection.transport.alarm import Alarm, Layer, Phase
 from detection.weights.fingerprint import fingerprint_on_device
+from detection.weights.fingerprint_each import fingerprints_each
 
 __all__ = [
     "NO_REPLAY",
@@ -199,15 +205,18 @@ class UpdateReplay:
         self.sent: Package | None = None  # this step's snapshot, as sent
         self.results: list[Replayed] = []  # this step's replay of the owner's
         self._custody: dict[int, torch.Tensor] = {}  # optimizer → fingerprint after its update
+        self._covered: dict[int, list[int]] = {}  # optimizer → the parameters in its record
+        self.positions = UnshardedPositions(self.params)
         self._broken = torch.zeros((), dtype=torch.int64, device=device)
         self._snaps: list[Snapshot] = []
         self._buffers: list[torch.Tensor] = []  # the step's snapshot copies, one an optimizer
         self.checked: set[int] = set()  # the owner's parameters this rank has replayed
 
     # -- the owner's side, from the optimizer hooks ------------------------------------------------
-    def _held(self, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """This rank's local shards of ``opt``'s parameters, and (``state_custody``) of their
-        optimizer state (the tensors shaped like a shard; a 0-d step count stays out)."""
+    def _held(self, opt: torch.optim.Optimizer) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+        """The model's parameters ``opt`` updates, and (``state_custody``) this rank's local
+        shards of their optimizer state (the tensors shaped like a shard; a 0-d step count
+        stays out)."""
         params = [p for g in opt.param_groups for p in g["params"] if id(p) in self.index]
         state = [
             _local(v).detach()
@@ -215,22 +224,41 @@ class UpdateReplay:
             for _, v in sorted(opt.state.get(p, {}).items())
             if isinstance(v, torch.Tensor) and v.dim() > 0
         ]
-        return [_local(p).detach() for p in params], state
+        return params, state
 
-    def _fingerprint(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        runs = [t.reshape(-1) for t in tensors if t.numel()]
-        if not runs:
+    def _fingerprint(
+        self, tensors: Sequence[torch.Tensor], offsets: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """The list's fingerprint, each tensor at ``offsets`` (default: one after another)."""
+        kept = [
+            (t.reshape(-1), o) for t, o in zip(tensors, offsets or _packed(tensors), strict=True)
+        ]
+        kept = [(run, o) for run, o in kept if run.numel()]
+        if not kept:
             return torch.zeros(2, dtype=torch.int64, device=self.device)
-        offsets, at = [], 0
-        for run in runs:
-            offsets.append(at)
-            at += run.numel()
-        return fingerprint_on_device(runs, offsets=offsets).to(self.device)
+        return fingerprint_on_device([run for run, _ in kept], offsets=[o for _, o in kept]).to(
+            self.device
+        )
 
     def _custody_now(self, opt: torch.optim.Optimizer) -> torch.Tensor:
-        """``[2, 2]``: the fingerprints of the weight shards and of their optimizer state."""
-        weights, state = self._held(opt)
-        return torch.stack([self._fingerprint(weights), self._fingerprint(state)])
+        """``[2, 2]``: the fingerprints of the weight shards — at their unsharded positions,
+        so that the records add up to the row's part (:mod:`detection.guard.shard_positions`)
+        — and of their optimizer state."""
+        params, state = self._held(opt)
+        return torch.stack(
+            [self._fingerprint(*self.positions.runs(params)), self._fingerprint(state)]
+        )
+
+    def row_part(self) -> torch.Tensor | None:
+        """This rank's part of the row's fingerprint, from the custody records of the last
+        updates (no pass of its own), or ``None`` when the records do not cover every parameter
+        exactly once (the guard then takes its own pass)."""
+        if len(self._custody) != len(self.optimizers) or not self.positions.partition(
+            self._covered.values()
+        ):
+            return None
+        records = [self._custody[which][0] for which in range(len(self.optimizers))]
+        return records[0] if len(records) == 1 else torch.stack(records).sum(0)
 
     def before(self, opt: torch.optim.Optimizer, step: int) -> None:
         """Pre-hook: custody (the shards as the update finds them against what the last
@@ -272,7 +300,10 @@ class UpdateReplay:
         and their state, and the custody record of every shard this optimizer updates."""
         which = self.optimizers.index(opt)
         self._custody[which] = self._custody_now(opt)
+        self._covered[which] = [id(p) for p in self._held(opt)[0]]
         by_index = {id(p): p for g in opt.param_groups for p in g["params"]}
+        done: list[Snapshot] = []
+        wrote: list[torch.Tensor] = []  # each snapshot's parameter, then its state by key
         for snap in self._snaps:
             if snap.post is not None or snap.opt != which:
                 continue
@@ -281,10 +312,14 @@ class UpdateReplay:
                 continue
             state = opt.state.get(p, {})
             snap.post_keys = sorted(k for k, v in state.items() if isinstance(v, torch.Tensor))
-            snap.post = torch.stack(
-                [fingerprint_one(_local(p))]
-                + [fingerprint_one(_local(state[k])) for k in snap.post_keys]
-            )
+            wrote += [_local(p), *(_local(state[k]) for k in snap.post_keys)]
+            done.append(snap)
+        if done:  # one multi-tensor pass for every tensor the update wrote, a row each
+            rows = fingerprints_each(wrote, self.device)
+            at = 0
+            for snap in done:
+                snap.post = rows[at : at + 1 + len(snap.post_keys)]
+                at += 1 + len(snap.post_keys)
 
     def begin_step(self) -> None:
         """Drop the last step's evidence, and what an aborted step left (never sent)."""
@@ -294,6 +329,7 @@ class UpdateReplay:
     def forget(self) -> None:
         """The weights were written on purpose (a checkpoint loaded): restart custody."""
         self._custody.clear()
+        self._covered.clear()
         self._broken = torch.zeros((), dtype=torch.int64, device=self.device)
 
     # -- as the step ends: send, replay, compare ---------------------------------------------------
@@ -335,6 +371,15 @@ class UpdateReplay:
                     "parameter" if bad & _PARAM_MISMATCH else "optimizer state",
                 )
         return verdict, first, replayed
+
+
+def _packed(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Offsets of tensors numbered one after another from 0."""
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += t.numel()
+    return offsets
 
 
 def is_replay_alarm(alarm: Alarm | None) -> bool:
