@@ -80,12 +80,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -98,6 +96,7 @@ import ops_per_step
 import overhead_sharded
 import torch
 import torch.distributed as dist
+from bench_ranks import launch_ranks
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
@@ -381,25 +380,7 @@ def _rank(rank: int, bench: Bench, port: int, out: str) -> None:
 
 
 def _run(bench: Bench) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=120), wait_for_workers=False
-    )
-    with tempfile.TemporaryDirectory(prefix="sdcguard-bench-") as scratch:
-        out = str(Path(scratch) / "result.json")
-        procs = [
-            ctx.Process(target=_rank, args=(r, bench, store.port, out))
-            for r in range(bench.world_size)
-        ]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        result: dict[str, Any] = json.loads(Path(out).read_text())
-    return result
+    return launch_ranks(_rank, bench, bench.world_size, preload=_PRELOAD, prefix="sdcguard-bench-")
 
 
 def _ratio(samples: list[dict[str, float]], variant: str, every: int) -> float:

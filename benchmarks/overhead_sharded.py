@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bench_ranks import launch_ranks  # benchmarks/ is on sys.path when run as a script
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -143,25 +142,9 @@ def _rank(rank: int, bench: ShardedBench, port: int, out: str) -> None:
 
 def run(bench: ShardedBench) -> dict[str, Any]:
     """The rounds' samples (rank 0's), the alarms raised, the model's parameter count."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, timeout=timedelta(seconds=120), wait_for_workers=False
+    return launch_ranks(
+        _rank, bench, bench.world_size, preload=PRELOAD, prefix="sdcguard-bench-sharded-"
     )
-    with tempfile.TemporaryDirectory(prefix="sdcguard-bench-sharded-") as scratch:
-        out = str(Path(scratch) / "result.json")
-        procs = [
-            ctx.Process(target=_rank, args=(r, bench, store.port, out))
-            for r in range(bench.world_size)
-        ]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
-        result: dict[str, Any] = json.loads(Path(out).read_text())
-    return result
 
 
 def _ratio(samples: list[dict[str, float]], variant: str, plain: str) -> float:
