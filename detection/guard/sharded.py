@@ -5,7 +5,7 @@ to :class:`ShardedGuard`; the loop is written as for DDP (``with guard.step(step
 ``guard.backward(loss)``, ``optimizer.step()``), with FSDP2's own accumulation switch
 (``model.set_requires_gradient_sync``) in place of ``ddp.no_sync()``.
 
-What runs in this first cut, per step, and what does not (never claimed):
+What runs, per step, and what does not (never claimed):
 
 * **on** — the non-finite check of each rank's own gradient before FSDP2's reduce-scatter
   (:mod:`detection.guard.sharded_hook`: names the rank), of the gradient shards each rank

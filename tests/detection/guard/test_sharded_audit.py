@@ -2,11 +2,11 @@
 
 A small transformer (embedding, causal attention through ``scaled_dot_product_attention``,
 LayerNorm, an MLP with dropout) trains 200 steps with an audit every step under FSDP2 on two
-and four ranks and under HSDP 2x2: no alarm, every audit passed, calibration armed, and the
+and four ranks and under HSDP 2x2 and 3x2: no alarm, every audit passed, calibration armed, and the
 replays leave training bitwise as it is without them. A flipped activation bit on one rank at
 an audited step is caught at that step, the auditor/audited pair named; a rank corrupted in
 every forward, its replays included, is named alone. A loss that reads an unseeded random
-source is refused by calibration. Two launches (two ranks, four ranks) carry
+source is refused by calibration. Three launches (two, four and six ranks) carry
 every scenario; each test reads its part.
 """
 
@@ -266,6 +266,10 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _six_ranks(rank: int, world: int) -> dict[str, Any]:
+    return {"hsdp-clean": _run(rank, (3, world // 3), steps=CLEAN_STEPS, blocks=False)}
+
+
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict[str, Any]]:
     return run_ranks(_two_ranks, 2, timeout_s=180)
@@ -312,6 +316,13 @@ def test_fsdp2_on_four_ranks_with_shipped_batches_audits_200_steps_clean(
 @pytest.mark.slow
 def test_hsdp_2x2_audits_200_steps_clean(four_ranks: list[dict[str, Any]]) -> None:
     for r in four_ranks:
+        _assert_clean(r["hsdp-clean"], vote=True)
+
+
+@pytest.mark.slow
+def test_hsdp_3x2_audits_200_steps_clean() -> None:
+    """Three replicas of two shards, six ranks: every step audited and voted, no alarm."""
+    for r in run_ranks(_six_ranks, 6, timeout_s=300):
         _assert_clean(r["hsdp-clean"], vote=True)
 
 
