@@ -38,13 +38,14 @@ What runs, per step, and what does not (never claimed):
   wrapped, as a DDP comm hook is.
 
 Every rank's evidence travels as one int64 row — step, flags, its shard's fingerprint — in one
-all-gather a step, and every rank decides alike from the table.
+all-gather a step, and every rank decides alike from the table
+(:mod:`detection.guard.sharded_step`: the step's state, the optimizer hooks, the row and its
+decision; this module keeps the loop protocol).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import socket
 from collections.abc import Callable, Iterator, Sequence
@@ -53,7 +54,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from detection.audit.calibration import check_agreement, replay_environment
 from detection.audit.ring import seed_rng, step_seed
@@ -68,20 +68,19 @@ from detection.guard.config import (
 from detection.guard.counters import GuardCounters
 from detection.guard.decision import any_nonfinite
 from detection.guard.protocol import refuse_backward, refuse_step, require_step
-from detection.guard.sharded_audit import ShardedAudit, refuse_audit_config, replicas_apart
-from detection.guard.sharded_decision import ROW_WORDS, Row, ShardedDecision, word_float
+from detection.guard.sharded_audit import ShardedAudit, refuse_audit_config
+from detection.guard.sharded_decision import ShardedDecision
 from detection.guard.sharded_hook import CheckedAllGather, CheckedReduceScatter
 from detection.guard.sharded_stats import ShardedStats
+from detection.guard.sharded_step import ShardedStep, StepWiring, local_shard
 from detection.guard.sharding import ShardedLayout, adopt_sharded, refuse_unsupported, user_comms
 from detection.guard.state import load_state, state_of
 from detection.guard.trace_mode import TraceMode
-from detection.guard.update_referee import referee
-from detection.guard.update_replay import NO_REPLAY_WORDS, UpdateReplay, is_replay_alarm
+from detection.guard.update_replay import UpdateReplay
 from detection.row.gather import all_gather_table
 from detection.transport.alarm import Alarm
-from detection.weights.fingerprint import Fingerprint, fingerprint_on_device, to_fingerprint
+from detection.weights.fingerprint import Fingerprint, to_fingerprint
 from detection.weights.load_check import LoadVerificationError
-from detection.weights.sharded import local_parts
 
 __all__ = ["ShardedGuard"]
 
@@ -141,7 +140,7 @@ class ShardedGuard:
         self.counters = GuardCounters()
         self.halted = False
         self.last_outcome: StepOutcome | None = None
-        self._current: _Step | None = None
+        self._current: ShardedStep | None = None
         # built with step_checks off too (it then learns nothing): its state is the guard's
         self.stats = ShardedStats(self.world_size, self.config.stats, self.nodes)
         self.decision = ShardedDecision(
@@ -189,6 +188,21 @@ class ShardedGuard:
         self.reduce_scatter.install(self.module)
         self.all_gather = CheckedAllGather(self.device, inner=inner_ag)
         self.all_gather.install(self.module)
+        self.wiring = StepWiring(
+            self.params,
+            config=self.config,
+            counters=self.counters,
+            replicas=self.layout.replicas,
+            nodes=self.nodes,
+            decision=self.decision,
+            stats=self.stats,
+            reduce_scatter=self.reduce_scatter,
+            all_gather=self.all_gather,
+            audit=self.audit,
+            replay=self.replay,
+            device=self.device,
+            group=self.group,
+        )
         self._extra = {"job": job_id, "rank": self.rank, "node": self.node}
         self._handles = []
         for opt in self.optimizers:
@@ -208,37 +222,7 @@ class ShardedGuard:
 
     def coverage(self) -> str:
         """What this guard checks and what it does not, in words (logged at start)."""
-        replicas = self.layout.replicas.replicas
-        if replicas >= 3:
-            vote = f"weight vote across {replicas} replicas of each shard (names the rank)"
-        elif replicas == 2:
-            vote = "weight vote across 2 replicas of each shard (detects, cannot name)"
-        else:
-            vote = "no weight vote (one copy of each shard)"
-        if self.replay is None:
-            replay = (
-                ""
-                if replicas >= 2
-                else ", update replay and custody off: a wrong update or a "
-                "flipped stored weight is not detected"
-            )
-        elif self.replay.replaying:
-            replay = (
-                f", update replay by the next rank (every shard once every {self.replay.every} "
-                "steps: names owner and buddy), custody of each rank's shards between updates "
-                "(names the rank)"
-            )
-        else:
-            replay = ", custody of the shards between updates (one rank: no update replay)"
-        audit = f", {self.audit.describe()}" if self.audit is not None else ""
-        off = "gradient audit" if self.audit is not None else "ring audit"
-        return (
-            "on: non-finite gradients before and after the reduce-scatter, its algebra, the "
-            "all-gather's views compared, "
-            "per-step gradient statistics (step_checks), "
-            f"non-finite weights, fingerprint, {vote}{replay}{audit}; off: {off}, ABFT, "
-            "optimizer-state vote"
-        )
+        return self.wiring.coverage()
 
     def _agree(self, identity: Identity | None) -> tuple[tuple[str, ...], list[dict[str, Any]]]:
         ident = (
@@ -273,7 +257,7 @@ class ShardedGuard:
     def step(self, step: int) -> Iterator[None]:
         """Bracket one training step; on leaving, decide it (collective: all ranks)."""
         refuse_step(step, halted=self.halted, open_step=self._current)
-        self._current = _Step(step)
+        self._current = ShardedStep(step)
         self.reduce_scatter.begin_step()
         self.all_gather.begin_step()
         if self.audit is not None:
@@ -315,7 +299,7 @@ class ShardedGuard:
                 step_seed(self.config.seed, current.step, self.rank, current.micro), self.device
             )
             return
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local_shard(p.grad) for p in self.params if p.grad is not None]
         current.grad_nonfinite = any_nonfinite(grads) if grads else None
         if self.audit is not None:
             self.audit.run()
@@ -348,18 +332,11 @@ class ShardedGuard:
         want = Fingerprint.from_hex(expected) if isinstance(expected, str) else expected
         if self.replay is not None:
             self.replay.forget()  # the weights were written on purpose
-        table = all_gather_table(self._part(), self.group).tolist()
+        table = all_gather_table(self.wiring.part(), self.group).tolist()
         found = self.layout.replicas.per_rank([to_fingerprint(a, b) for a, b in table])
         if any(fp != want for fp in found.values()):
             raise LoadVerificationError(want, found)
         return want
-
-    def _part(self) -> torch.Tensor:
-        """This rank's shards' fingerprint at their unsharded positions (every copy)."""
-        parts = local_parts(self.params, every_copy=True)
-        if not parts.runs:
-            return torch.zeros(2, dtype=torch.int64, device=self.device)
-        return fingerprint_on_device(parts.runs, offsets=parts.offsets).to(self.device)
 
     def flush(self) -> None:
         """Nothing to decide: every step is decided when it ends (no ``defer_decision``)."""
@@ -374,102 +351,22 @@ class ShardedGuard:
             self.audit.close()
 
     # -- hooks and the decision --------------------------------------------------------------------
-    def _require_step(self, what: str) -> _Step:
+    def _require_step(self, what: str) -> ShardedStep:
         return require_step(self._current, what)
 
     def _before_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
-        current = self._require_step("optimizer.step()")
-        if id(opt) in current.stepped:
-            raise GuardUsageError("optimizer.step() called twice in one guarded step")
-        if current.micro < self.micro_batches:
-            raise GuardUsageError(
-                f"optimizer.step() after {current.micro} of {self.micro_batches} backward "
-                "calls: step the optimizer once, after the step's last guard.backward()"
-            )
-        if self.replay is not None:
-            self.replay.before(opt, current.step)
+        self.wiring.before_update(self._require_step("optimizer.step()"), opt)
 
     def _after_optimizer_step(self, opt: Any, _args: Any, _kwargs: Any) -> None:
-        self._require_step("optimizer.step()").stepped.add(id(opt))
-        if self.replay is not None:
-            self.replay.after(opt)
+        self.wiring.after_update(self._require_step("optimizer.step()"), opt)
 
-    def _finish(self, current: _Step) -> None:
-        if current.micro < self.micro_batches or current.loss is None:
-            raise GuardUsageError(
-                f"step {current.step} ran {current.micro} of {self.micro_batches} backward "
-                "calls through guard.backward()"
-            )
-        # under pure FSDP2, custody's record after the update is the row's part (no pass)
-        recorded = self.replay.row_part() if self.replay is not None else None
-        mine = recorded if recorded is not None else self._part()
-        zero = torch.zeros((), dtype=torch.int64, device=self.device)
-        row = torch.stack(
-            [
-                torch.tensor(current.step, dtype=torch.int64, device=self.device),
-                current.grad_nonfinite if current.grad_nonfinite is not None else zero,
-                any_nonfinite([_local(p) for p in self.params]),
-                torch.tensor(int(bool(current.stepped)), dtype=torch.int64, device=self.device),
-                torch.tensor(int(current.scaled), dtype=torch.int64, device=self.device),
-                self.reduce_scatter.flag,
-                torch.tensor(self.reduce_scatter.unchecked, dtype=torch.int64, device=self.device),
-                *self.reduce_scatter.sums.view(torch.int64),
-                *self.all_gather.view,
-                *mine,
-                *(self.audit.words() if self.audit is not None else [zero, zero]),
-            ]
-        )
-        replayed = (
-            self.replay.exchange()
-            if self.replay is not None
-            else torch.tensor(NO_REPLAY_WORDS, dtype=torch.int64, device=self.device)
-        )
-        row = torch.cat([row, replayed])
-        row = torch.cat([row, self._statistics(current).view(torch.int64)])
-        table = all_gather_table(row, self.group).tolist()
-        rows = [Row.read(r[:ROW_WORDS]) for r in table]
-        if any(r.step != current.step for r in rows):
-            raise GuardUsageError(
-                f"ranks are at different steps: {[r.step for r in rows]}: pass every rank the "
-                "same step number to guard.step()"
-            )
-        outcome = self.decision.decide(current.step, rows)
-        if self.replay is not None and is_replay_alarm(outcome.alarm):
-            assert outcome.alarm is not None
-            settled = referee(self.replay, [r.replay for r in rows], outcome.alarm, self.nodes)
-            outcome = dataclasses.replace(outcome, alarm=settled)
-        if self.audit is not None:
-            outcome = self.audit.decide(rows, outcome, replicas_apart(self.decision))
-        if outcome.alarm is None and self.config.step_checks:
-            floats = [[word_float(w) for w in r[ROW_WORDS:]] for r in table]
-            found = self.stats.decide(current.step, floats, learn=True)
-            self.counters.step_checks = self.stats.tested
-            if found is not None:
-                outcome = dataclasses.replace(outcome, alarm=found, vote_passed=False)
+    def _finish(self, current: ShardedStep) -> None:
+        outcome = self.wiring.decide(current)
         self.last_outcome = outcome
-        self.counters.steps += 1
-        self.counters.nonfinite_checks += 1
-        self.counters.votes += int(self.layout.replicas.voting)
         if outcome.alarm is not None:
             self._raise(outcome.alarm)
         if self.gate is not None:
             self.gate.observe(outcome)
-
-    def _statistics(self, current: _Step) -> torch.Tensor:
-        """This rank's loss, then its gradient's L2 norm and L∞ per reduce-scatter (float64,
-        divided by the GradScaler's scale on a scaled step)."""
-        loss = current.loss if current.loss is not None else torch.zeros(())
-        calls = self.reduce_scatter.stats
-        values = torch.cat(
-            [
-                loss.detach().to(device=self.device, dtype=torch.float64).reshape(1),
-                *(c[:1] for c in calls),
-                *(c[1:] for c in calls),
-            ]
-        )
-        if current.scale is not None and calls:
-            values[1:] /= current.scale.to(device=self.device, dtype=torch.float64)
-        return values
 
     def _raise(self, alarm: Alarm) -> None:
         self.alarms.append(alarm)
@@ -487,20 +384,3 @@ class ShardedGuard:
                 self.sender.send_alarm(alarm.to_webhook(self.job_id, self.rank, self.node))
         if self.config.halt_on_alarm:
             self.halted = True
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-class _Step:
-    """One guarded step in progress."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.micro = 0
-        self.loss: torch.Tensor | None = None
-        self.scaled = False
-        self.grad_nonfinite: torch.Tensor | None = None
-        self.scale: torch.Tensor | None = None
-        self.stepped: set[int] = set()

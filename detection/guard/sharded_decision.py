@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from detection.gate import StepOutcome
-from detection.guard.update_replay import (
+from detection.guard.update_alarm import (
     NO_REPLAY,
     REPLAY_WORDS,
     ReplayRow,

@@ -63,13 +63,15 @@ measures the parts against the update.
 Runs under pure FSDP2 only. Under HSDP each shard's replicas are voted on every step, which
 sees a wrong update and a flipped weight on one replica; DDP likewise. With one rank there is
 no buddy: custody runs, the replay does not.
+
+The row words the two checks write, and the alarms every rank reads from them, are
+:mod:`detection.guard.update_alarm`'s.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,6 +81,19 @@ from torch.distributed.tensor import DTensor
 
 from detection.guard.config import GuardConfigError
 from detection.guard.shard_positions import UnshardedPositions
+from detection.guard.update_alarm import (
+    NO_REPLAY,
+    NO_REPLAY_WORDS,
+    PARAM_MISMATCH,
+    REPLAY_WORDS,
+    STATE_CHANGED,
+    STATE_MISMATCH,
+    WEIGHTS_CHANGED,
+    ReplayRow,
+    custody_alarm,
+    is_replay_alarm,
+    replay_alarm,
+)
 from detection.guard.update_payload import (
     AMP,
     REPLAYABLE,
@@ -91,7 +106,6 @@ from detection.guard.update_payload import (
     ship,
     take_snapshots,
 )
-from detection.transport.alarm import Alarm, Layer, Phase
 from detection.weights.fingerprint import fingerprint_on_device
 from detection.weights.fingerprint_each import fingerprints_each
 
@@ -108,17 +122,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-
-#: Row words this module adds: custody (bit 0: weights changed, bit 1: their state), replay
-#: verdict (bit 0: parameter, bit 1: state), first mismatching parameter's index (-1: none),
-#: elements replayed.
-REPLAY_WORDS = 4
-
-_PARAM_MISMATCH = 1
-_WEIGHTS_CHANGED = 1
-_STATE_CHANGED = 2
-_REPLAY_CHECK = "update-replay"
-_STATE_MISMATCH = 2
 
 
 def balanced_slices(sizes: Sequence[int], k: int) -> list[int]:
@@ -144,27 +147,6 @@ def _options(group: Mapping[str, Any]) -> dict[str, Any]:
         for key, value in group.items()
         if key != "params"
     }
-
-
-@dataclass(frozen=True)
-class ReplayRow:
-    """This module's words of one rank's row."""
-
-    custody: int  # this rank's own shards changed between two updates: bit 0 weights, bit 1
-    # their optimizer state
-    replay: int  # its replay of its owner's slice: 0 agrees (or none), bit 0/1 differ
-    param: int  # the first parameter that differed (-1: none)
-    replayed: int  # elements it replayed
-
-    @classmethod
-    def read(cls, words: Sequence[int]) -> ReplayRow:
-        custody, replay, param, replayed = words[:REPLAY_WORDS]
-        return cls(custody, replay, param, replayed)
-
-
-#: The words of a step with neither check (HSDP, ``update_replay_every=0``), and as read.
-NO_REPLAY_WORDS = (0, 0, -1, 0)
-NO_REPLAY = ReplayRow.read(NO_REPLAY_WORDS)
 
 
 class UpdateReplay:
@@ -267,9 +249,7 @@ class UpdateReplay:
         recorded = self._custody.get(which)
         if recorded is not None:
             changed = (self._custody_now(opt) != recorded).any(dim=1).to(torch.int64)
-            self._broken = (
-                self._broken | changed[0] * _WEIGHTS_CHANGED | changed[1] * _STATE_CHANGED
-            )
+            self._broken = self._broken | changed[0] * WEIGHTS_CHANGED | changed[1] * STATE_CHANGED
         if not self.replaying:
             return
         due = step % self.every
@@ -358,8 +338,8 @@ class UpdateReplay:
         for result in results:
             self.checked.add(result.index)
             replayed += result.elements
-            bad = (_PARAM_MISMATCH if result.param_differs else 0) | (
-                _STATE_MISMATCH if result.state_differs else 0
+            bad = (PARAM_MISMATCH if result.param_differs else 0) | (
+                STATE_MISMATCH if result.state_differs else 0
             )
             if bad:
                 verdict |= bad
@@ -368,7 +348,7 @@ class UpdateReplay:
                     "the replay of rank %d's update of parameter %d differs (%s)",
                     self.owner,
                     result.index,
-                    "parameter" if bad & _PARAM_MISMATCH else "optimizer state",
+                    "parameter" if bad & PARAM_MISMATCH else "optimizer state",
                 )
         return verdict, first, replayed
 
@@ -380,65 +360,3 @@ def _packed(tensors: Sequence[torch.Tensor]) -> list[int]:
         offsets.append(at)
         at += t.numel()
     return offsets
-
-
-def is_replay_alarm(alarm: Alarm | None) -> bool:
-    """Whether ``alarm`` is :func:`replay_alarm`'s (a pair a third replay may split)."""
-    return alarm is not None and alarm.detail.get("check") == _REPLAY_CHECK
-
-
-def custody_alarm(step: int, rows: Sequence[ReplayRow], nodes: Sequence[str]) -> Alarm | None:
-    """The ranks whose own shards (weights, or their optimizer state) changed between two
-    updates, named alone (decided alike on every rank from the same rows)."""
-    broken = [rank for rank, r in enumerate(rows) if r.custody]
-    if not broken:
-        return None
-    weights = [rank for rank in broken if rows[rank].custody & _WEIGHTS_CHANGED]
-    state = [rank for rank in broken if rows[rank].custody & _STATE_CHANGED]
-    return Alarm.for_ranks(
-        step,
-        Layer.FINGERPRINT,
-        Phase.WEIGHTS if weights else Phase.OPTIMIZER_STATE,
-        broken,
-        nodes,
-        {
-            "check": "custody",
-            "ranks": broken,
-            "weights_changed": weights,
-            "state_changed": state,
-            "majority": False,
-            "evidence": "the rank's own shards changed between its last update and this one, "
-            "with no update writing them (one copy's history, not a vote)",
-        },
-    )
-
-
-def replay_alarm(
-    step: int, rows: Sequence[ReplayRow], nodes: Sequence[str], names: Sequence[str] = ()
-) -> Alarm | None:
-    """A buddy's replay that differs from its owner's update: the pair named, owner first
-    (decided alike on every rank from the same rows)."""
-    world = len(rows)
-    differ = [(buddy, r) for buddy, r in enumerate(rows) if r.replay]
-    if not differ:
-        return None
-    pairs = [((buddy - 1) % world, buddy) for buddy, _ in differ]
-    in_param = any(r.replay & _PARAM_MISMATCH for _, r in differ)
-    return Alarm.for_ranks(
-        step,
-        Layer.AUDIT,
-        Phase.WEIGHTS if in_param else Phase.OPTIMIZER_STATE,
-        [rank for pair in pairs for rank in pair],
-        nodes,
-        {
-            "check": _REPLAY_CHECK,
-            "pairs": [list(p) for p in pairs],  # owner first, buddy second
-            "parameters": [
-                names[r.param] if 0 <= r.param < len(names) else r.param for _, r in differ
-            ],
-            "replayed_elements": [r.replayed for _, r in differ],
-            "ambiguous": True,
-            "evidence": "the buddy's replay of the owner's update differs bitwise: the owner "
-            "updated wrong or the buddy replayed wrong; two results cannot say which",
-        },
-    )
