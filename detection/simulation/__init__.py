@@ -3,8 +3,9 @@
 * :mod:`~detection.simulation.train_args` and :mod:`~detection.simulation.config` — the
   arguments and the job's configuration, stdlib only (the control plane imports them);
 * :mod:`~detection.simulation.launch`, :mod:`~detection.simulation.rank`,
-  :mod:`~detection.simulation.report`, :mod:`~detection.simulation.cli` — the launcher, one
-  rank's loop, its report, the command line;
+  :mod:`~detection.simulation.rank_setup`, :mod:`~detection.simulation.report`,
+  :mod:`~detection.simulation.cli` — the launcher, one rank's loop, its set-up and resume, its
+  report, the command line;
 * :mod:`~detection.simulation.diagnostics` — the trace and probe of a diagnostic run;
 * :mod:`~detection.simulation.model`, :mod:`~detection.simulation.workloads` — the built-in
   model and the guarded loops the benchmarks and tests share;
