@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from detection.guard import GuardConfig, GuardHaltedError, SDCGuard
 from detection.guard.shard_positions import UnshardedPositions
 from detection.weights.sharded import sharded_fingerprint
 from tests.detection.conftest import run_ranks
+from tests.detection.sharded_models import mse_loss as _loss
+from tests.detection.sharded_models import two_linear as _model
 
 STEPS = 4
 FLIP_STEP = 2
@@ -36,21 +36,6 @@ def test_a_partition_holds_every_parameter_exactly_once() -> None:
     assert not positions.partition([[a], [b]])  # c in no optimizer
     assert not positions.partition([[a, b], [b, c]])  # b in two
     assert not positions.partition([[a, b, c, id(object())]])  # not a parameter of the model
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 3))
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    fully_shard(model[0], mesh=mesh)
-    fully_shard(model[2], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 
 
 def _optimizers(model: nn.Module, kind: str) -> list[torch.optim.Optimizer]:

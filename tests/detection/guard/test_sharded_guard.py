@@ -17,7 +17,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.tensor import Shard
-from torch.utils.checkpoint import checkpoint
 
 from detection.guard import GuardConfig, GuardConfigError, GuardHaltedError, SDCGuard
 from detection.guard.trace_mode import REPLAY_END_ENV
@@ -25,61 +24,20 @@ from detection.stepcheck import StatsConfig
 from detection.weights.load_check import LoadVerificationError
 from detection.weights.sharded import sharded_fingerprint
 from tests.detection.conftest import run_ranks
+from tests.detection.sharded_models import CheckpointedNet, ResidualNet, mse_loss, shard_layers
 
 FLIP_STEP = 3
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(12)
-        self.mlp = nn.Sequential(nn.Linear(12, 20), nn.GELU(), nn.Linear(20, 12))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
-
-
-class _Net(nn.Module):
-    """A little residual network: an input layer, two blocks, a head (odd dims: uneven shards)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, 12)
-        self.layers = nn.ModuleList([_Block(), _Block()])
-        self.head = nn.Linear(12, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
-
-
-class _CheckpointedNet(_Net):
-    """The same network with each block under activation checkpointing."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for layer in self.layers:
-            h = checkpoint(layer, h, use_reentrant=False)
-        return self.head(h)
-
-
-def _sharded(mesh_shape: tuple[int, ...], net: type[_Net] = _Net) -> nn.Module:
+def _sharded(mesh_shape: tuple[int, ...], net: type[ResidualNet] = ResidualNet) -> nn.Module:
     """FSDP2's tutorial: fully_shard each block, then the root."""
     torch.manual_seed(0)
     model = net()
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_layers(model, init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
 
 
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+_loss = mse_loss
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,16 +274,22 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     refused("audit", lambda: _sharded((world,)), audit_every=2)
     refused("gradient-audit", lambda: _sharded((world,)), audit_every=2, audit_mode="gradient")
     refused("inject", lambda: _sharded((world,)), inject=("weight-flip@0:1",))
-    refused("fsdp1", lambda: FullyShardedDataParallel(_Net(), device_id=torch.device("cpu")))
+    refused("fsdp1", lambda: FullyShardedDataParallel(ResidualNet(), device_id=torch.device("cpu")))
 
     def dim1() -> nn.Module:
         mesh = init_device_mesh("cpu", (world,))
-        return fully_shard(_Net(), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+
+        def last_dim(p: nn.Parameter) -> Shard:
+            return Shard(p.dim() - 1)
+
+        model = ResidualNet()
+        fully_shard(model, mesh=mesh, shard_placement_fn=last_dim)
+        return model
 
     refused("shard-dim-1", dim1)
 
     def blocks_only() -> nn.Module:
-        model = _Net()
+        model = ResidualNet()
         mesh = init_device_mesh("cpu", (world,))
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -360,7 +324,7 @@ def _recipes(rank: int, world: int) -> dict[str, Any]:
     whose scale overflows every gradient: the scaler skips those steps, no alarm."""
     out: dict[str, Any] = {}
     for recipe in ("accumulation", "autocast", "checkpointing", "scaler", "overflow"):
-        model = _sharded((world,), _CheckpointedNet if recipe == "checkpointing" else _Net)
+        model = _sharded((world,), CheckpointedNet if recipe == "checkpointing" else ResidualNet)
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         micro = 2 if recipe == "accumulation" else 1
         # statistics tested from step 1 on: every recipe's clean steps go through them

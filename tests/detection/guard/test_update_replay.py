@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from detection.guard import GuardConfig, GuardConfigError, GuardHaltedError, SDCGuard
 from detection.guard.update_payload import (
@@ -34,6 +32,8 @@ from detection.guard.update_payload import (
 from detection.guard.update_replay import balanced_slices
 from detection.weights.sharded import sharded_fingerprint
 from tests.detection.conftest import run_ranks
+from tests.detection.sharded_models import mse_loss as _loss
+from tests.detection.sharded_models import two_linear as _model
 
 K = 2  # replay every shard once every 2 steps
 STEPS = 6
@@ -143,22 +143,6 @@ def test_slices_are_balanced_by_element_count_and_cover_every_parameter() -> Non
     slices = balanced_slices([60, 10, 30, 3, 30], 3)
     assert slices == [0, 1, 1, 2, 2]  # loads 60, 40, 33: largest first into the lightest
     assert balanced_slices([5, 5], 4) == [0, 1]  # more slices than parameters: some empty
-
-
-def _model() -> nn.Module:
-    """Two Linear layers with odd sizes: uneven shards, an empty one at world size 4."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 3))
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    fully_shard(model[0], mesh=mesh)
-    fully_shard(model[2], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
 
 
 def _flip_after_step(rank: int, target: int, bit: int) -> Any:

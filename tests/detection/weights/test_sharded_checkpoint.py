@@ -27,7 +27,6 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from detection.gate import CheckpointGate, CheckpointStatus, GateError, StepOutcome
@@ -48,6 +47,7 @@ from detection.weights.sharded_checkpoint import (
 from recovery.checkpoints.store import FileCheckpointStore
 from recovery.checkpoints.uris import UriCheckpointStore
 from tests.detection.conftest import run_ranks
+from tests.detection.sharded_models import ResidualNet, mse_loss, shard_layers
 
 SAVED = 2  # the checkpoint holds the state after this step (steps 0..2 run before it)
 OUTLIER_RANK = 1
@@ -57,49 +57,17 @@ OUTLIER = 30.0
 CONFIG = GuardConfig(seed=1, stats=StatsConfig(warmup=2))
 
 
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(10)
-        self.mlp = nn.Sequential(nn.Linear(10, 14), nn.GELU(), nn.Linear(14, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
-
-
-class _Net(nn.Module):
+def _plain(seed: int) -> ResidualNet:
     """Odd dims (uneven shards at world 4 and 2); no buffers: parameters are the state."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, 10)
-        self.layers = nn.ModuleList([_Block(), _Block()])
-        self.head = nn.Linear(10, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
-
-
-def _plain(seed: int) -> _Net:
     torch.manual_seed(seed)
-    return _Net()
+    return ResidualNet(inputs=5, width=10, hidden=14)
 
 
 def _sharded(world: int, seed: int) -> nn.Module:
-    model = _plain(seed)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
+    return shard_layers(_plain(seed), init_device_mesh("cpu", (world,)))
 
 
-def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.mse_loss(model(x), y)
+_loss = mse_loss
 
 
 def _train(guard: Any, model: nn.Module, optim: Any, rank: int, steps: range) -> list[Any]:
