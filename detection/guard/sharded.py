@@ -193,6 +193,7 @@ class ShardedGuard:
             config=self.config,
             counters=self.counters,
             replicas=self.layout.replicas,
+            shard_ranks=self.layout.gatherers.replicas,
             nodes=self.nodes,
             decision=self.decision,
             stats=self.stats,

@@ -79,6 +79,7 @@ class StepWiring:
         config: GuardConfig,
         counters: GuardCounters,
         replicas: ReplicaGroups,
+        shard_ranks: int,
         nodes: Sequence[str],
         decision: ShardedDecision,
         stats: ShardedStats,
@@ -93,6 +94,7 @@ class StepWiring:
         self.config = config
         self.counters = counters
         self.replicas = replicas
+        self.shard_ranks = shard_ranks
         self.nodes = tuple(nodes)
         self.decision = decision
         self.stats = stats
@@ -130,12 +132,23 @@ class StepWiring:
             replay = ", custody of the shards between updates (one rank: no update replay)"
         audit = f", {self.audit.describe()}" if self.audit is not None else ""
         off = "gradient audit" if self.audit is not None else "ring audit"
+        if self.shard_ranks == 1:
+            # FSDP2 runs no reduce-scatter or all-gather over a one-rank shard group: the
+            # checks that live in them never run, and the replicas' gradient all-reduce mixes
+            # a rank's gradient into every copy before anything sees it
+            gradients = "non-finite gradient shards after the all-reduce (no rank named), "
+            off += (
+                ", the checks inside the reduce-scatter and all-gather (shard groups of one "
+                "rank run neither: a finite gradient flip reaches every replica alike)"
+            )
+        else:
+            gradients = (
+                "non-finite gradients before and after the reduce-scatter, its algebra, the "
+                "all-gather's views compared, per-step gradient statistics (step_checks), "
+            )
         return (
-            "on: non-finite gradients before and after the reduce-scatter, its algebra, the "
-            "all-gather's views compared, "
-            "per-step gradient statistics (step_checks), "
-            f"non-finite weights, fingerprint, {vote}{replay}{audit}; off: {off}, ABFT, "
-            "optimizer-state vote"
+            f"on: {gradients}non-finite weights, fingerprint, {vote}{replay}{audit}; "
+            f"off: {off}, ABFT, optimizer-state vote"
         )
 
     # -- the optimizer hooks -----------------------------------------------------------------------

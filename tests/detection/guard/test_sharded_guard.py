@@ -256,6 +256,10 @@ def test_hsdp_votes_within_replicate_groups(mesh_shape: tuple[int, int], named: 
         assert len(alarm["suspect_nodes"]) == len(named)
         # the load check compares every replica's weights: rank 2's replica differs
         assert r["wrong_replicas"] == ([2, 3] if mesh_shape == (2, 2) else [2])
+        # a shard group of one rank runs no reduce-scatter: the start says what that costs
+        one_rank_shards = "shard groups of one rank run neither" in r["coverage"]
+        assert one_rank_shards is (mesh_shape == (4, 1)), r["coverage"]
+        assert ("before and after the reduce-scatter" in r["coverage"]) is (not one_rank_shards)
 
 
 def _refusals(rank: int, world: int) -> dict[str, str]:
