@@ -250,6 +250,12 @@ class ShardedGuard:
         return self.audit.armed if self.audit is not None else True
 
     @property
+    def recomputing(self) -> bool:
+        """Whether the model's forward now running is the audit's replay of a micro-batch (a
+        fault injector tells a recomputation from the rank's own step by it)."""
+        return self.audit is not None and self.audit.recomputing
+
+    @property
     def replaying(self) -> None:
         """A diagnostic run's trace mode, as on :class:`SDCGuard`: never inside one here."""
         return None

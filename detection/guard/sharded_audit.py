@@ -161,6 +161,12 @@ class ShardedAudit:
         """Whether a mismatch is an alarm: calibration is over (or was not asked for)."""
         return self.counters.calibration_audits >= self.config.calibrate
 
+    @property
+    def recomputing(self) -> bool:
+        """Whether the model's forward now running is a replay of a micro-batch (the audit's
+        of a partner's, the calibration's of this rank's own), not the rank's training step."""
+        return self._replay_seed is not None
+
     def describe(self) -> str:
         """The audit in words, for the guard's coverage line."""
         return f"ring audit of the loss every {self.every} steps (partner {self.partner})"

@@ -28,6 +28,7 @@ from detection.audit.ring import AuditMode
 from detection.faults.spec import FaultSpec
 from detection.gate import CheckpointGate
 from detection.guard import GuardConfig, GuardConfigError, SDCGuard
+from detection.guard.sharded import ShardedGuard
 from detection.guard.state import read_state
 from detection.identity import RankIdentity
 from detection.simulation.config import (
@@ -166,7 +167,14 @@ def _set_up_sharded(
         _log.info("resumed from %s at step %d", config.resume_from, start, extra=job.extra)
     specs = [FaultSpec.parse(s) for s in injected_faults(config)]
     if specs:
-        job.faults = ShardedFaults(specs, model, optimizer, rank=rank, node=nodes[rank])
+        guard = job.guard
+
+        def recomputing() -> bool:  # a plain job (no guard) replays nothing
+            return isinstance(guard, ShardedGuard) and guard.recomputing
+
+        job.faults = ShardedFaults(
+            specs, model, optimizer, rank=rank, node=nodes[rank], recomputing=recomputing
+        )
     return job
 
 

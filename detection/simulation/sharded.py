@@ -18,11 +18,10 @@ makes the rank suffer the spec, at the points the spec names, through the same
   them (installed only on a step the fault strikes, removed when the step ends) rewrites the
   gradient before it is accumulated. Elements are numbered over the unsharded parameters,
   as for DDP.
-* ``act-flip`` — the target module's output in the rank's own forward: the step's first
-  forward of the root (the harness runs one micro-batch a step). The root's later forwards in
-  the step are the guard's replays of a micro-batch (the audit's of its partner's, the
-  calibration's of its own): recomputations, which a transient fault does not strike and a
-  node's persistent fault does, as under DDP. Without this mark, the flip meant for the rank's
+* ``act-flip`` — the target module's output in the rank's own forward. The guard's replays of
+  a micro-batch (the audit's of its partner's, the calibration's of its own; the guard says
+  when one runs, ``recomputing``) are recomputations, which a transient fault does not strike
+  and a node's persistent fault does, as under DDP. Without this mark, the flip meant for the rank's
   own step would strike its replay of its partner too, and the audit would see two pairs
   disagree where one upset made one.
 * ``weight-flip`` — after ``optimizer.step``, an element of the shards this rank holds.
@@ -47,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,13 +128,13 @@ class ShardedFaults:
         *,
         rank: int,
         node: str,
+        recomputing: Callable[[], bool],
     ) -> None:
         self.injector = FaultInjector(specs, rank=rank, node=node)
+        self._recomputing = recomputing
         self.injector.bind(model)  # act-flip's forward hook; elements over unsharded numels
         self._handles: list[Any] = [optimizer.register_step_post_hook(self._after_optimizer_step)]
         self._grad_hooks: list[Any] = []
-        # Root forwards started in the open step: the first is the rank's own, the rest replays.
-        self._forwards = 0
         self._recomputation: contextlib.AbstractContextManager[None] | None = None
         self._handles += [
             model.register_forward_pre_hook(self._before_root_forward),
@@ -145,8 +144,7 @@ class ShardedFaults:
             self._install_gradient_points(model)
 
     def _before_root_forward(self, _module: nn.Module, _args: Any) -> None:
-        self._forwards += 1
-        if self._forwards > 1 and self._recomputation is None:
+        if self._recomputing() and self._recomputation is None:
             self._recomputation = self.injector.recomputing()
             self._recomputation.__enter__()
 
@@ -193,7 +191,6 @@ class ShardedFaults:
 
     def begin_step(self, step: int) -> None:
         self.injector.begin_step(step)
-        self._forwards = 0
 
     def end_step(self) -> None:
         self._leave_recomputation()
